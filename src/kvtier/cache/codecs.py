@@ -1,0 +1,127 @@
+"""Block codecs: how a tier encodes whole blocks of keys and values into packed tensors.
+
+A codec turns exact blocks ``k, v: [B, H, n, T, D]`` (``n`` blocks of ``T`` tokens) into a dict
+of tensors whose third axis is the block axis, and back. Keys are quantized per channel (their
+statistics run over the ``T`` tokens of a block), values per token (over groups of ``G``
+channels). Codes are packed along ``D``. ``nbytes`` gives the exact storage for a shape, so the
+planner and the cache's own report count the same bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..quant import (
+    dequantize_kbit,
+    dequantize_sign,
+    pack_bits,
+    packed_size,
+    quantize_kbit,
+    quantize_sign,
+    rotation,
+    unpack_bits,
+)
+
+_FP16 = 2
+
+
+def _token_valid(valid: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, n, T]`` -> broadcastable to ``[B, H, n, T, 1]``."""
+    return valid.unsqueeze(-1)
+
+
+@dataclass(frozen=True)
+class KBitCodec:
+    """``bits``-bit asymmetric group quantization (KIVI layout)."""
+
+    bits: int
+    value_group: int
+
+    @property
+    def name(self) -> str:
+        return f"int{self.bits}"
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        B, H, n, T, D = k.shape
+        G = self.value_group
+        tv = _token_valid(valid)
+        kq, ks, kz = quantize_kbit(k, self.bits, dim=3, valid=tv)
+        vq, vs, vz = quantize_kbit(v.reshape(B, H, n, T, D // G, G), self.bits, dim=5, valid=tv.unsqueeze(-1))
+        return {
+            "k_codes": pack_bits(kq, self.bits),
+            "k_scale": ks,
+            "k_zero": kz,
+            "v_codes": pack_bits(vq.reshape(B, H, n, T, D), self.bits),
+            "v_scale": vs.squeeze(-1),
+            "v_zero": vz.squeeze(-1),
+        }
+
+    def decode(self, f: dict[str, torch.Tensor], dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        kq = unpack_bits(f["k_codes"], self.bits, dim)
+        k = dequantize_kbit(kq, f["k_scale"], f["k_zero"], dtype)
+        vq = unpack_bits(f["v_codes"], self.bits, dim)
+        B, H, n, T, D = vq.shape
+        G = self.value_group
+        vq = vq.reshape(B, H, n, T, D // G, G)
+        v = dequantize_kbit(vq, f["v_scale"].unsqueeze(-1), f["v_zero"].unsqueeze(-1), dtype)
+        return k, v.reshape(B, H, n, T, D)
+
+    def nbytes(self, B: int, H: int, n: int, T: int, D: int) -> int:
+        codes = B * H * n * T * packed_size(D, self.bits)
+        return 2 * codes + 2 * _FP16 * B * H * n * D + 2 * _FP16 * B * H * n * T * (D // self.value_group)
+
+
+@dataclass(frozen=True)
+class SignCodec:
+    """1-bit sign of the centered value, with a mean and a scale (``mean |x - mean|``).
+
+    Keys: mean and scale per channel over a block; values: per token over ``value_group``
+    channels. With ``rotate`` both are first rotated by a fixed randomized Hadamard matrix.
+    """
+
+    value_group: int
+    rotate: bool = False
+
+    @property
+    def name(self) -> str:
+        return "sign-rot" if self.rotate else "sign"
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        B, H, n, T, D = k.shape
+        G = self.value_group
+        if self.rotate:
+            r = rotation(D, k.device)
+            k, v = k.float() @ r, v.float() @ r
+        tv = _token_valid(valid)
+        ks, kscale, kmean = quantize_sign(k, dim=3, valid=tv)
+        vs, vscale, vmean = quantize_sign(v.reshape(B, H, n, T, D // G, G), dim=5, valid=tv.unsqueeze(-1))
+        return {
+            "k_signs": pack_bits(ks, 1),
+            "k_scale": kscale,
+            "k_mean": kmean,
+            "v_signs": pack_bits(vs.reshape(B, H, n, T, D), 1),
+            "v_scale": vscale.squeeze(-1),
+            "v_mean": vmean.squeeze(-1),
+        }
+
+    def decode(self, f: dict[str, torch.Tensor], dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        k = dequantize_sign(unpack_bits(f["k_signs"], 1, dim), f["k_scale"], f["k_mean"])
+        vs = unpack_bits(f["v_signs"], 1, dim)
+        B, H, n, T, D = vs.shape
+        G = self.value_group
+        v = dequantize_sign(
+            vs.reshape(B, H, n, T, D // G, G), f["v_scale"].unsqueeze(-1), f["v_mean"].unsqueeze(-1)
+        ).reshape(B, H, n, T, D)
+        if self.rotate:
+            r = rotation(D, k.device)
+            k, v = k @ r.T, v @ r.T
+        return k.to(dtype), v.to(dtype)
+
+    def nbytes(self, B: int, H: int, n: int, T: int, D: int) -> int:
+        signs = B * H * n * T * packed_size(D, 1)
+        return 2 * signs + 2 * _FP16 * B * H * n * D + 2 * _FP16 * B * H * n * T * (D // self.value_group)
+
+
+Codec = KBitCodec | SignCodec

@@ -1,0 +1,167 @@
+"""Memory diagnostics: the bytes a cache actually holds, per tier and per layer.
+
+Bytes are read off the cache's tensors (their storages, each counted once), not computed from
+a formula, so a transient or forgotten dense copy shows up. ``dense_fp16_bytes`` is what an
+fp16 ``DynamicCache`` would hold for the same tokens (``2 * B * H * seq * D * 2`` per layer).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+TIERS = ("sink", "hot", "warm", "cold", "other")
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[(str(t.device), s.data_ptr())] = s.nbytes()
+    return sum(seen.values())
+
+
+def reachable_tensor_bytes(root: Any) -> int:
+    """Bytes of all distinct tensor storages reachable from ``root`` through attributes,
+    dicts, lists and tuples (a check on :func:`memory_report`, independent of it)."""
+    found: list[torch.Tensor] = []
+    stack, visited = [root], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in visited:
+            continue
+        visited.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        elif (
+            hasattr(obj, "__dict__")
+            and not isinstance(obj, type)
+            and type(obj).__module__.startswith(("kvtier", "transformers.cache_utils"))
+        ):
+            stack.extend(vars(obj).values())
+    return tensor_bytes(found)
+
+
+@dataclass
+class MemoryReport:
+    """What a cache holds.
+
+    Attributes
+    ----------
+    total_bytes : every byte held by the cache's tensors.
+    resident_bytes : bytes next to the compute (all of them until offload exists).
+    offloaded_bytes : bytes in host RAM or on disk for an offloading cache.
+    dense_fp16_bytes : what an fp16 ``DynamicCache`` would hold for the same tokens.
+    seq_len : tokens seen (the longest layer).
+    tokens : token slots per tier, summed over layers.
+    per_tier : bytes per tier, summed over layers.
+    per_layer : one dict per layer: ``bytes`` and ``tokens`` by tier, ``dense_fp16_bytes``.
+    """
+
+    total_bytes: int
+    resident_bytes: int
+    offloaded_bytes: int
+    dense_fp16_bytes: int
+    seq_len: int
+    tokens: dict[str, int] = field(default_factory=dict)
+    per_tier: dict[str, int] = field(default_factory=dict)
+    per_layer: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        """``total_bytes / dense_fp16_bytes``."""
+        return self.total_bytes / self.dense_fp16_bytes if self.dense_fp16_bytes else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ratio"] = self.ratio
+        return d
+
+    def __str__(self) -> str:
+        mib = 2**20
+        lines = [
+            f"KV cache: {self.total_bytes / mib:.2f} MiB for {self.seq_len} tokens "
+            f"({self.ratio:.3f} of fp16 {self.dense_fp16_bytes / mib:.2f} MiB)",
+        ]
+        for tier in TIERS:
+            if self.per_tier.get(tier):
+                lines.append(
+                    f"  {tier:<6} {self.per_tier[tier] / mib:9.2f} MiB  {self.tokens.get(tier, 0):>9} token-slots"
+                )
+        return "\n".join(lines)
+
+
+def _layer_dense_fp16(layer: Any) -> int:
+    from .cache.layer import TieredLayer
+
+    if isinstance(layer, TieredLayer):
+        if not layer.is_initialized:
+            return 0
+        return 2 * layer.batch * layer.kv_heads * layer.seen * layer.head_dim * 2
+    keys = getattr(layer, "keys", None)
+    return 0 if keys is None or not isinstance(keys, torch.Tensor) else 2 * keys.numel() * 2
+
+
+def memory_report(cache: Any) -> MemoryReport:
+    """Measure a :class:`~kvtier.TieredCache` (or any transformers cache)."""
+    from .cache.layer import TieredLayer
+
+    per_layer, all_tensors = [], []
+    per_tier = dict.fromkeys(TIERS, 0)
+    tokens = dict.fromkeys((*TIERS[:-1], "evicted"), 0)
+    seq = 0
+    for idx, layer in enumerate(cache.layers):
+        if isinstance(layer, TieredLayer):
+            groups = layer.tier_tensors()
+            counts = layer.token_counts()
+            seq = max(seq, layer.seen)
+        else:
+            groups = {
+                "other": [
+                    t
+                    for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                    if isinstance(t, torch.Tensor)
+                ]
+            }
+            counts = {}
+        nbytes = {tier: tensor_bytes(ts) for tier, ts in groups.items()}
+        for tier, b in nbytes.items():
+            per_tier[tier] += b
+        for tier, c in counts.items():
+            tokens[tier] += c
+        all_tensors.extend(t for ts in groups.values() for t in ts)
+        per_layer.append(
+            {"layer": idx, "bytes": nbytes, "tokens": counts, "dense_fp16_bytes": _layer_dense_fp16(layer)}
+        )
+    total = tensor_bytes(all_tensors)
+    return MemoryReport(
+        total_bytes=total,
+        resident_bytes=total,
+        offloaded_bytes=0,
+        dense_fp16_bytes=sum(d["dense_fp16_bytes"] for d in per_layer),
+        seq_len=seq,
+        tokens=tokens,
+        per_tier={k: v for k, v in per_tier.items() if v or k != "other"},
+        per_layer=per_layer,
+    )
+
+
+def leak_check(fn: Any, repeats: int = 3) -> list[int]:
+    """Run ``fn()`` ``repeats`` times and return the bytes of live CPU/CUDA tensors after each
+    run; a growing list means something keeps tensors alive between runs."""
+    out = []
+    for _ in range(repeats):
+        fn()
+        gc.collect()
+        live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        out.append(tensor_bytes(live))
+    return out

@@ -1,0 +1,1 @@
+"""Evaluation: streamed perplexity, long-range recall, logit fidelity, speed; results and plots."""

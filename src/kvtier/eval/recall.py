@@ -1,0 +1,54 @@
+"""Long-range recall: a secret number planted at a depth inside book text, asked for at the end.
+
+The fact is planted at a token depth (0 = start, 1 = end of the context) inside an excerpt of
+a book, wrapped in the model's chat template, and the answer is primed with
+``"The secret number is"`` so it can be read off greedily. A sink + window cache cannot answer
+when the fact lies outside its window, so the task tells real recall from recency.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+QUESTION = "What is the secret number mentioned in the text above?"
+ANSWER_PREFIX = "The secret number is"
+
+
+@dataclass
+class RecallCase:
+    """One prompt: ``input_ids [1, n]``, the planted ``key``, where it sits."""
+
+    input_ids: torch.Tensor
+    key: str
+    depth: float
+    context_tokens: int
+    fact_position: int
+
+
+def build_case(tokenizer, text: str, context_tokens: int, depth: float, seed: int) -> RecallCase:
+    """Plant a random 5-digit number at ``depth`` of a ``context_tokens`` excerpt of ``text``."""
+    rnd = random.Random(seed)
+    key = str(rnd.randint(10000, 99999))
+    fact = tokenizer(f" The secret number is {key}. Remember it: {key}. ", add_special_tokens=False).input_ids
+    body_len = max(1, context_tokens - len(fact))
+    ids = tokenizer(text[: body_len * 8 + 20000], add_special_tokens=False).input_ids
+    if len(ids) < body_len + 10:
+        raise ValueError(f"text too short for a {context_tokens}-token recall case")
+    start = rnd.randint(0, len(ids) - body_len)
+    body = ids[start : start + body_len]
+    pos = int(round(len(body) * depth))
+    doc = tokenizer.decode(body[:pos] + fact + body[pos:])
+    messages = [{"role": "user", "content": doc + "\n\n" + QUESTION}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + ANSWER_PREFIX
+    input_ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    prefix = tokenizer.apply_chat_template([{"role": "user", "content": tokenizer.decode(body[:pos])}], tokenize=False)
+    return RecallCase(input_ids, key, depth, context_tokens, len(tokenizer(prefix, add_special_tokens=False).input_ids))
+
+
+def is_correct(answer: str, key: str) -> bool:
+    """The answer's first number is the key."""
+    digits = "".join(ch if ch.isdigit() else " " for ch in answer).split()
+    return bool(digits) and digits[0] == key

@@ -1,0 +1,178 @@
+"""Memory planner: bytes per tier for a model, a sequence length and a policy, before running.
+
+The planner replays the cache's placement rules (hot window, block migration, warm capacity,
+sinks) as arithmetic and prices each tier with the same codec byte formulas the cache stores, so
+a plan and ``TieredCache.memory_report()`` after a real run agree (tests check within 2%).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .cache.layer import make_codecs, storage_dtype
+from .policy import PRESETS, TierPolicy, get_policy
+
+#: Built-in model shapes: layers, KV heads, head_dim (all full-attention layers).
+BUILTIN: dict[str, dict[str, Any]] = {
+    "llama-2-7b": {"num_hidden_layers": 32, "num_key_value_heads": 32, "head_dim": 128},
+    "llama-2-13b": {"num_hidden_layers": 40, "num_key_value_heads": 40, "head_dim": 128},
+    "llama-3.1-8b": {"num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128},
+    "mistral-7b": {"num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128},
+    "qwen2.5-7b": {"num_hidden_layers": 28, "num_key_value_heads": 4, "head_dim": 128},
+    "smollm2-135m": {"num_hidden_layers": 30, "num_key_value_heads": 3, "head_dim": 64},
+}
+
+TIERS = ("sink", "hot", "warm", "cold", "other")
+
+
+@dataclass
+class ModelShape:
+    """What the planner needs of a model."""
+
+    name: str
+    layer_types: list[str]
+    kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+
+def model_shape(model: str) -> ModelShape:
+    """A built-in name, a ``config.json`` path, or a folder holding one."""
+    if model in BUILTIN:
+        c = BUILTIN[model]
+        return ModelShape(model, ["full_attention"] * c["num_hidden_layers"], c["num_key_value_heads"], c["head_dim"])
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.exists():
+        raise ValueError(f"--model {model!r}: expected one of {sorted(BUILTIN)} or a path to a config.json")
+    cfg = json.loads(path.read_text())
+    cfg = cfg.get("text_config", cfg)
+    layers = cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    types = cfg.get("layer_types") or ["full_attention"] * layers
+    return ModelShape(path.parent.name or str(path), list(types), kv, head_dim, cfg.get("sliding_window"))
+
+
+@dataclass
+class Plan:
+    """Planned bytes per tier (summed over layers) for one policy."""
+
+    policy: str
+    seq_len: int
+    batch: int
+    fp16_bytes: int
+    per_tier: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.per_tier.values())
+
+    @property
+    def ratio(self) -> float:
+        return self.total_bytes / self.fp16_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "seq_len": self.seq_len,
+            "batch": self.batch,
+            "fp16_bytes": self.fp16_bytes,
+            "total_bytes": self.total_bytes,
+            "ratio": self.ratio,
+            "per_tier": self.per_tier,
+            "tokens": self.tokens,
+        }
+
+
+def layer_plan(policy: TierPolicy, n: int, B: int, H: int, D: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    """Bytes and token slots per tier of one tiered layer after ``n`` tokens (no padding)."""
+    elt = torch.empty((), dtype=storage_dtype(policy, dtype)).element_size()
+    if policy.hot_tokens is None:
+        return {"hot": 2 * B * H * n * D * elt}, {"hot": n}
+    T = policy.block_tokens
+    hot_start = T * max(0, (n - policy.hot_tokens) // T) if n > policy.hot_tokens else 0
+    hot = n - hot_start
+    capacity = max(policy.hot_tokens + T, hot) if n else 0
+    blocks = hot_start // T
+    warm_cap = blocks if policy.warm_tokens is None else min(blocks, policy.warm_tokens // T)
+    cold_blocks = blocks - warm_cap
+    warm_codec, cold_codec = make_codecs(policy, D)
+    nbytes = {"sink": 0, "hot": 2 * B * H * capacity * D * elt, "warm": 0, "cold": 0}
+    tokens = {"sink": 0, "hot": hot, "warm": warm_cap * T, "cold": 0, "evicted": 0}
+    if blocks and policy.sink_tokens:
+        nbytes["sink"] = 2 * B * H * policy.sink_tokens * D * elt + 8 * B
+        tokens["sink"] = policy.sink_tokens
+    if warm_cap:
+        nbytes["warm"] = warm_codec.nbytes(B, H, warm_cap, T, D) + B * warm_cap * T
+    if cold_blocks:
+        if cold_codec is None:
+            tokens["evicted"] = cold_blocks * T
+        else:
+            nbytes["cold"] = cold_codec.nbytes(B, H, cold_blocks, T, D) + B * cold_blocks * T
+            tokens["cold"] = cold_blocks * T
+    return nbytes, tokens
+
+
+def plan(
+    model: str | ModelShape,
+    seq_len: int,
+    policy: str | TierPolicy = "default",
+    batch: int = 1,
+    dtype: torch.dtype = torch.float16,
+) -> Plan:
+    """Plan the bytes of a :class:`~kvtier.TieredCache` holding ``seq_len`` tokens per row."""
+    shape = model if isinstance(model, ModelShape) else model_shape(model)
+    pol = get_policy(policy)
+    B, H, D, n = batch, shape.kv_heads, shape.head_dim, seq_len
+    per_tier = dict.fromkeys(TIERS, 0)
+    tokens = dict.fromkeys((*TIERS[:-1], "evicted"), 0)
+    fp16 = 0
+    for i, kind in enumerate(shape.layer_types):
+        if kind == "full_attention":
+            nbytes, toks = layer_plan(pol.for_layer(i, shape.num_layers), n, B, H, D, dtype)
+            for k, v in nbytes.items():
+                per_tier[k] += v
+            for k, v in toks.items():
+                tokens[k] += v
+            fp16 += 2 * B * H * n * D * 2
+        else:  # sliding layers stay dense in transformers' own layer, bounded by the window
+            held = min(n, shape.sliding_window or n)
+            per_tier["other"] += 2 * B * H * held * D * torch.empty((), dtype=dtype).element_size()
+            fp16 += 2 * B * H * held * D * 2
+    if not per_tier["other"]:
+        del per_tier["other"]
+    return Plan(pol.name, seq_len, batch, fp16, per_tier, tokens)
+
+
+def format_plans(shape: ModelShape, plans: list[Plan]) -> str:
+    """A readable table of plans (GB = 1e9 bytes)."""
+    gb = 1e9
+    head = f"{'policy':<16}" + "".join(f"{t:>10}" for t in TIERS[:-1]) + f"{'total GB':>11}{'vs fp16':>9}"
+    lines = [
+        f"{shape.name}: {shape.num_layers} layers x {shape.kv_heads} KV heads x head_dim {shape.head_dim}, "
+        f"{plans[0].seq_len} tokens x batch {plans[0].batch}",
+        f"fp16 KV cache: {plans[0].fp16_bytes / gb:.2f} GB ({plans[0].fp16_bytes / 2**30:.2f} GiB)",
+        "",
+        head,
+    ]
+    for p in plans:
+        row = "".join(f"{p.per_tier.get(t, 0) / gb:>10.3f}" for t in TIERS[:-1])
+        lines.append(f"{p.policy:<16}{row}{p.total_bytes / gb:>11.3f}{p.ratio:>9.3f}")
+    return "\n".join(lines)
+
+
+def all_presets() -> list[str]:
+    return list(PRESETS)

@@ -1,0 +1,209 @@
+"""Tier policies: what each layer keeps exact, what it quantizes and how, and named presets.
+
+A :class:`TierPolicy` is a small validated dataclass. Tokens of a sequence live in:
+
+* **sinks** - the first ``sink_tokens`` real tokens of each row, exact for good (attention sinks,
+  StreamingLLM https://arxiv.org/abs/2309.17453);
+* **hot** - the most recent ``hot_tokens`` (up to ``hot_tokens + block_tokens - 1``), exact;
+* **warm** - the next ``warm_tokens``, ``warm_bits`` group quantization (keys per channel over a
+  block of ``block_tokens`` tokens, values per token over ``value_group_size`` channels);
+* **cold** - everything older: ``cold="sign"`` 1-bit centered signs with a scale, ``"quant"``
+  ``cold_bits`` group quantization, or ``"evict"`` (dropped, as in a sink + window cache).
+
+Tokens move hot -> warm -> cold a block at a time and are quantized once per move.
+``layer_overrides`` maps layer indices (negative ones count from the end) to another policy or a
+preset name, e.g. ``{0: "exact", -1: "exact"}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+WARM_BITS = (2, 3, 4, 6, 8)
+COLD_BITS = (2, 3, 4, 6, 8)
+COLD_MODES = ("sign", "quant", "evict")
+EXACT_DTYPES = ("model", "half", "float16", "bfloat16", "float32")
+
+
+def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is not allowed: expected {allowed}")
+
+
+def _check_count(name: str, value: object, *, allow_none: bool, minimum: int = 0) -> None:
+    ok = (value is None and allow_none) or (isinstance(value, int) and not isinstance(value, bool) and value >= minimum)
+    allowed = f"an int >= {minimum}" + (" or None (unbounded)" if allow_none else "")
+    _check(ok, name, value, allowed)
+
+
+@dataclass
+class TierPolicy:
+    """How one layer stores its keys and values.
+
+    Attributes
+    ----------
+    hot_tokens : exact recent tokens; ``None`` keeps every token exact (no compression).
+    warm_tokens : tokens in the warm tier after hot; ``None`` = unbounded (no cold tier).
+        A multiple of ``block_tokens``.
+    warm_bits : bit width of the warm tier, one of 2, 3, 4, 6, 8.
+    sink_tokens : first real tokens of each row kept exact for good.
+    cold : ``"sign"`` (1-bit), ``"quant"`` (``cold_bits``-bit) or ``"evict"``.
+    cold_bits : bit width when ``cold == "quant"``.
+    cold_rotation : randomized Hadamard rotation of K and V before the 1-bit sign code.
+    block_tokens : migration block; also the token group of per-channel key statistics.
+    value_group_size : channels per group of per-token value statistics (divides head_dim).
+    exact_dtype : storage of sinks and hot tokens: ``"model"`` (the model's dtype),
+        ``"half"`` (fp16 when the model runs in fp32, else the model's dtype) or a dtype name.
+    layer_overrides : layer index -> policy or preset name; negative indices count from the end.
+    name : label used in reports.
+    """
+
+    hot_tokens: int | None = 128
+    warm_tokens: int | None = 1024
+    warm_bits: int = 4
+    sink_tokens: int = 32
+    cold: str = "sign"
+    cold_bits: int = 2
+    cold_rotation: bool = False
+    block_tokens: int = 64
+    value_group_size: int = 64
+    exact_dtype: str = "model"
+    layer_overrides: dict[int, TierPolicy | str] = field(default_factory=lambda: {0: "exact", -1: "exact"})
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        _check_count("hot_tokens", self.hot_tokens, allow_none=True)
+        _check_count("warm_tokens", self.warm_tokens, allow_none=True)
+        _check_count("sink_tokens", self.sink_tokens, allow_none=False)
+        _check_count("block_tokens", self.block_tokens, allow_none=False, minimum=1)
+        _check_count("value_group_size", self.value_group_size, allow_none=False, minimum=1)
+        _check(self.warm_bits in WARM_BITS, "warm_bits", self.warm_bits, f"one of {WARM_BITS}")
+        _check(self.cold in COLD_MODES, "cold", self.cold, f"one of {COLD_MODES}")
+        _check(self.cold_bits in COLD_BITS, "cold_bits", self.cold_bits, f"one of {COLD_BITS}")
+        _check(isinstance(self.cold_rotation, bool), "cold_rotation", self.cold_rotation, "a bool")
+        _check(self.exact_dtype in EXACT_DTYPES, "exact_dtype", self.exact_dtype, f"one of {EXACT_DTYPES}")
+        if self.warm_tokens is not None:
+            _check(
+                self.warm_tokens % self.block_tokens == 0,
+                "warm_tokens",
+                self.warm_tokens,
+                f"a multiple of block_tokens={self.block_tokens}",
+            )
+        _check(isinstance(self.layer_overrides, dict), "layer_overrides", self.layer_overrides, "a dict")
+        for idx, sub in self.layer_overrides.items():
+            _check(isinstance(idx, int) and not isinstance(idx, bool), "layer_overrides key", idx, "an int")
+            if isinstance(sub, str):
+                _check(sub in PRESETS, f"layer_overrides[{idx}]", sub, f"a preset name in {sorted(PRESETS)}")
+            else:
+                _check(isinstance(sub, TierPolicy), f"layer_overrides[{idx}]", sub, "a TierPolicy or preset name")
+
+    @property
+    def is_exact(self) -> bool:
+        """True when this policy never compresses or drops a token."""
+        return self.hot_tokens is None
+
+    def replace(self, **changes: object) -> TierPolicy:
+        """A copy with fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def for_layer(self, index: int, num_layers: int) -> TierPolicy:
+        """The policy that layer ``index`` of ``num_layers`` uses, overrides resolved."""
+        chosen: TierPolicy | str = self
+        for key, sub in self.layer_overrides.items():
+            if key % num_layers == index and -num_layers <= key < num_layers:
+                chosen = sub
+        if isinstance(chosen, str):
+            chosen = get_policy(chosen)
+        return chosen.replace(layer_overrides={}) if chosen.layer_overrides else chosen
+
+
+# --- presets ------------------------------------------------------------------------------
+
+_Preset = tuple[str, Callable[[], TierPolicy]]
+
+
+def _exact() -> TierPolicy:
+    return TierPolicy(hot_tokens=None, warm_tokens=0, sink_tokens=0, layer_overrides={}, name="exact")
+
+
+def _default() -> TierPolicy:
+    return TierPolicy(
+        hot_tokens=128,
+        warm_tokens=None,
+        warm_bits=4,
+        sink_tokens=32,
+        block_tokens=128,
+        value_group_size=64,
+        exact_dtype="half",
+        layer_overrides={},
+        name="default",
+    )
+
+
+def _max_compression() -> TierPolicy:
+    return TierPolicy(
+        hot_tokens=128,
+        warm_tokens=1024,
+        warm_bits=4,
+        sink_tokens=32,
+        cold="sign",
+        block_tokens=64,
+        exact_dtype="half",
+        layer_overrides={},
+        name="max-compression",
+    )
+
+
+def _chat() -> TierPolicy:
+    return _default().replace(hot_tokens=192, name="chat")
+
+
+def _code() -> TierPolicy:
+    return _default().replace(hot_tokens=256, warm_bits=6, name="code")
+
+
+def _kivi2() -> TierPolicy:
+    return TierPolicy(
+        hot_tokens=128,
+        warm_tokens=None,
+        warm_bits=2,
+        sink_tokens=0,
+        block_tokens=32,
+        value_group_size=32,
+        layer_overrides={},
+        name="kivi2",
+    )
+
+
+def _sink_window() -> TierPolicy:
+    return TierPolicy(
+        hot_tokens=1020,
+        warm_tokens=0,
+        sink_tokens=4,
+        cold="evict",
+        block_tokens=1,
+        layer_overrides={},
+        name="sink-window",
+    )
+
+
+PRESETS: dict[str, _Preset] = {
+    "default": ("best measured accuracy per byte (see BENCHMARKS.md)", _default),
+    "max-compression": ("hot 128 exact, warm 1,024 at 4 bits, cold 1-bit signs, 32 sinks", _max_compression),
+    "chat": ("default with a larger hot window (192)", _chat),
+    "code": ("6-bit warm, hot 256: conservative for exact-token recall", _code),
+    "exact": ("no compression; matches DynamicCache token for token", _exact),
+    "kivi2": ("baseline: 2-bit warm over all non-hot tokens (KIVI layout), hot 128", _kivi2),
+    "sink-window": ("baseline: 4 sinks + 1,020-token window, older tokens evicted", _sink_window),
+}
+
+
+def get_policy(policy: str | TierPolicy) -> TierPolicy:
+    """A preset by name, or the policy itself."""
+    if isinstance(policy, TierPolicy):
+        return policy
+    if policy not in PRESETS:
+        raise ValueError(f"policy={policy!r} is not allowed: expected one of {sorted(PRESETS)} or a TierPolicy")
+    return PRESETS[policy][1]()

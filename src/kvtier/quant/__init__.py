@@ -1,0 +1,17 @@
+"""Pure quantization functions: bit packing, k-bit group codes, 1-bit signs, rotations."""
+
+from .bits import pack_bits, packed_size, planes, unpack_bits
+from .groups import dequantize_kbit, dequantize_sign, quantize_kbit, quantize_sign
+from .rotation import rotation
+
+__all__ = [
+    "pack_bits",
+    "packed_size",
+    "planes",
+    "unpack_bits",
+    "quantize_kbit",
+    "dequantize_kbit",
+    "quantize_sign",
+    "dequantize_sign",
+    "rotation",
+]
