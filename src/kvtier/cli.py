@@ -1,4 +1,9 @@
-"""The ``kvtier`` command: ``plan`` (bytes before running) and ``demo`` (a real model, side by side)."""
+"""The ``kvtier`` command.
+
+``plan`` (bytes before running), ``demo`` (a real model, side by side), ``eval ppl|recall|fidelity``
+and ``bench`` (every cache side by side in one process, results JSON + plots), ``report``
+(results -> markdown).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -121,6 +127,139 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- eval / bench / report ----------------------------------------------------------------------
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(float(x.lower().replace("k", "")) * (1024 if "k" in x.lower() else 1)) for x in text.split(",")]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated lengths like 2k,4k: {text!r}") from err
+    if any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"lengths must be positive: {text!r}")
+    return vals
+
+
+def _floats(text: str) -> list[float]:
+    vals = [float(x) for x in text.split(",")]
+    if any(not 0 <= v <= 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"depths must be in [0, 1]: {text!r}")
+    return vals
+
+
+def _caches(text: str) -> list[str]:
+    from .eval.caches import all_cache_names
+
+    names = all_cache_names() if text == "all" else text.split(",")
+    bad = [n for n in names if n not in all_cache_names()]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown caches {bad}: expected 'all' or some of {all_cache_names()}")
+    if "dynamic" not in names:
+        names = ["dynamic", *names]
+    return names
+
+
+def _setup(args: argparse.Namespace):
+    from .eval.run import usable_specs
+    from .eval.texts import load_pg19, load_texts
+    from .models import load_model
+
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model)
+    if getattr(args, "pg19", False):
+        texts = load_pg19(limit=args.books or 4)
+    else:
+        texts = load_texts(args.text, limit=args.books)
+    specs = usable_specs(model, args.caches, log=lambda m: print(m, file=sys.stderr))
+    return model, tok, texts, specs
+
+
+def _finish(kind: str, rows: list, config: dict, args: argparse.Namespace) -> int:
+    from .eval.plots import plots_for
+    from .eval.results import make_results, save
+
+    doc = make_results(kind, rows, config)
+    out = Path(args.out or f"results/{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    save(doc, out)
+    pngs = [] if args.no_plots else plots_for(doc, out.with_suffix(""))
+    print(f"wrote {out}" + "".join(f", {p}" for p in pngs), file=sys.stderr)
+    return 0
+
+
+def _print_rows(rows: list[dict], keys: list[str]) -> None:
+    print("  ".join(f"{k:>12}" for k in keys))
+    for r in rows:
+        print("  ".join(f"{r[k]:>12.4g}" if isinstance(r[k], float) else f"{str(r[k]):>12}" for k in keys))
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .eval.run import run_recall, run_stream
+
+    model, tok, texts, specs = _setup(args)
+    config = {"model": args.model, "caches": [s.name for s in specs], "texts": list(texts), "contexts": args.contexts}
+    if args.task in ("ppl", "fidelity"):
+        config.update(chunk=args.chunk, windows=args.windows)
+        ppl_rows, fid_rows = run_stream(model, tok, texts, args.contexts, specs, args.windows, args.chunk)
+        rows = ppl_rows if args.task == "ppl" else fid_rows
+        keys = (
+            ["cache", "text", "context", "ppl", "dppl_pct", "kv_ratio_fp16"]
+            if args.task == "ppl"
+            else ["cache", "text", "context", "kl", "top1"]
+        )
+    else:
+        config.update(depths=args.depths, samples=args.samples, prefill_chunk=args.prefill_chunk)
+        rows = run_recall(model, tok, texts, args.contexts, args.depths, specs, args.samples, args.prefill_chunk)
+        keys = ["cache", "context", "depth", "correct", "total"]
+    _print_rows(rows, keys)
+    status = _finish(args.task, rows, config, args)
+    print(json.dumps({"kind": args.task, "rows": rows}))
+    return status
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .eval.run import run_bench
+
+    model, tok, texts, specs = _setup(args)
+    text = next(iter(texts.values()))
+    rows = run_bench(model, tok, text, args.contexts, specs, args.new_tokens, args.rounds)
+    _print_rows(
+        rows, ["cache", "context", "prefill_s", "decode_tok_s", "decode_tok_s_ratio", "kv_bytes", "peak_rss_mb"]
+    )
+    config = {
+        "model": args.model,
+        "caches": [s.name for s in specs],
+        "contexts": args.contexts,
+        "new_tokens": args.new_tokens,
+        "rounds": args.rounds,
+    }
+    _finish("bench", rows, config, args)
+    summary = {r["cache"] + f"@{r['context']}": round(r["decode_tok_s_ratio"], 3) for r in rows}
+    print(json.dumps({"kind": "bench", "threads": args.threads, "decode_tok_s_ratio": summary, "rows": rows}))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .eval.report import build_report
+
+    try:
+        out = build_report(args.results, args.output)
+    except (OSError, ValueError, KeyError) as err:
+        print(f"kvtier report: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+def _common(p: argparse.ArgumentParser, contexts: str) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--caches", type=_caches, default=_caches("all"), help="comma-separated names or 'all'")
+    p.add_argument("--contexts", type=_ints, default=_ints(contexts), help="e.g. 2k,4k,8k")
+    p.add_argument("--text", nargs="*", help="text files (default: the books in ../shared/data/pg)")
+    p.add_argument("--pg19", action="store_true", help="PG-19 test split via the datasets library (online)")
+    p.add_argument("--books", type=_positive, default=None, help="use the first N texts")
+    p.add_argument("--threads", type=_positive, default=max(1, min(2, torch.get_num_threads())))
+    p.add_argument("--out", help="results JSON path (default results/<kind>-<time>.json)")
+    p.add_argument("--no-plots", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV cache for transformers")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -144,6 +283,35 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--threads", type=_positive, default=max(1, min(2, torch.get_num_threads())))
     d.set_defaults(fn=cmd_demo)
+
+    e = sub.add_parser("eval", help="streamed perplexity, long-range recall, logit fidelity")
+    esub = e.add_subparsers(dest="task", required=True)
+    for task, helptext in (
+        ("ppl", "streamed perplexity (chunks <= 64, NLL over the last half)"),
+        ("fidelity", "KL(full || cache) and top-1 agreement per token"),
+        ("recall", "secret number planted at depths 0-100%, asked at the end"),
+    ):
+        t = esub.add_parser(task, help=helptext)
+        _common(t, "1k,2k,4k" if task == "recall" else "2k,4k,8k")
+        if task == "recall":
+            t.add_argument("--depths", type=_floats, default=_floats("0,0.25,0.5,0.75,1"))
+            t.add_argument("--samples", type=_positive, default=1, help="cases per (context, depth) cell")
+            t.add_argument("--prefill-chunk", type=_positive, default=512)
+        else:
+            t.add_argument("--chunk", type=_positive, default=64)
+            t.add_argument("--windows", type=_positive, default=1, help="windows per text and context")
+        t.set_defaults(fn=cmd_eval)
+
+    b = sub.add_parser("bench", help="decode tokens/s, prefill time, KV bytes, peak RSS")
+    _common(b, "2k,4k,8k")
+    b.add_argument("--new-tokens", type=_positive, default=32)
+    b.add_argument("--rounds", type=_positive, default=2)
+    b.set_defaults(fn=cmd_bench)
+
+    r = sub.add_parser("report", help="results JSON files -> markdown report with plots")
+    r.add_argument("results", nargs="+")
+    r.add_argument("-o", "--output", default="report.md")
+    r.set_defaults(fn=cmd_report)
     return parser
 
 

@@ -37,7 +37,12 @@ def reachable_tensor_bytes(root: Any) -> int:
             continue
         visited.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            found.append(obj)
+            if hasattr(obj, "__tensor_flatten__") and type(obj) is not torch.Tensor:
+                # wrapper subclasses (e.g. optimum-quanto's packed tensors) hold their data inside
+                names, _ = obj.__tensor_flatten__()
+                stack.extend(getattr(obj, n) for n in names)
+            else:
+                found.append(obj)
         elif isinstance(obj, dict):
             stack.extend(obj.values())
         elif isinstance(obj, (list, tuple, set)):

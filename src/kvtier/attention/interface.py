@@ -19,6 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from ..cache.layer import ATTENTION_NAME, HANDLE_KEY, TieredLayer
 from .mask import KVMask, kvtier_mask
 from .reference import reference_attention
+from .tiered import tiered_attention
 
 _PREVIOUS: weakref.WeakKeyDictionary[PreTrainedModel, str] = weakref.WeakKeyDictionary()
 
@@ -63,7 +64,10 @@ def kvtier_attention(
         return dense_attention(query, key, value, attention_mask, scaling), None
     if attention_mask is not None and not isinstance(attention_mask, KVMask):
         raise NotImplementedError("tiered layers need kvtier's mask function; got a precomputed mask tensor")
-    out = reference_attention(layer, query, attention_mask, scaling)
+    if layer.attention == "reference":
+        out = reference_attention(layer, query, attention_mask, scaling)
+    else:
+        out = tiered_attention(layer, query, attention_mask, scaling)
     layer.settle(None if attention_mask is None else attention_mask.padding)
     return out, None
 

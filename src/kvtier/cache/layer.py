@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 ATTENTION_NAME = "kvtier"
 HANDLE_KEY = "tiered_layer"
+#: "fast" reads the packed tiers directly; "reference" decodes each tier and runs SDPA (the oracle).
+ATTENTION_PATHS = ("fast", "reference")
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -74,10 +76,13 @@ class TieredLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, policy: TierPolicy, owner: TieredCache | None = None):
+    def __init__(self, policy: TierPolicy, owner: TieredCache | None = None, attention: str = "fast"):
         super().__init__()
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention={attention!r} is not allowed: expected one of {ATTENTION_PATHS}")
         self.policy = policy
         self.owner = owner
+        self.attention = attention
         self.reset()
 
     # --- transformers interface ---------------------------------------------------------------

@@ -23,6 +23,8 @@ class TieredCache(Cache):
     ----------
     config : the model's config (``model.config``) or the model itself.
     policy : a preset name (see ``kvtier.PRESETS``) or a :class:`TierPolicy`.
+    attention : ``"fast"`` (per-tier attention on the packed data) or ``"reference"`` (each tier
+        decoded to dense K/V for one SDPA call; the oracle the fast path is tested against).
 
     Example
     -------
@@ -30,7 +32,12 @@ class TieredCache(Cache):
     ...     out = model.generate(**inputs, cache=kvtier.TieredCache(model.config, "default"))
     """
 
-    def __init__(self, config: PretrainedConfig | PreTrainedModel, policy: str | TierPolicy = "default"):
+    def __init__(
+        self,
+        config: PretrainedConfig | PreTrainedModel,
+        policy: str | TierPolicy = "default",
+        attention: str = "fast",
+    ):
         if isinstance(config, PreTrainedModel):
             config = config.config
         if not isinstance(config, PretrainedConfig):
@@ -46,7 +53,7 @@ class TieredCache(Cache):
         layers: list[Any] = []
         for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
             if kind == "full_attention":
-                layers.append(TieredLayer(self.policy.for_layer(i, n), owner=self))
+                layers.append(TieredLayer(self.policy.for_layer(i, n), owner=self, attention=attention))
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
         super().__init__(layers=layers)

@@ -52,3 +52,17 @@ def is_correct(answer: str, key: str) -> bool:
     """The answer's first number is the key."""
     digits = "".join(ch if ch.isdigit() else " " for ch in answer).split()
     return bool(digits) and digits[0] == key
+
+
+@torch.no_grad()
+def run_case(model, tokenizer, case: RecallCase, spec, new_tokens: int = 8, prefill_chunk: int = 512) -> dict:
+    """Answer one case greedily with a fresh cache of ``spec``; the prompt is prefilled in chunks
+    of ``prefill_chunk`` tokens so the tiers form as in a long streamed context."""
+    cache = spec.build(model)
+    ids = case.input_ids
+    with spec.context(model):
+        for s in range(0, ids.shape[1] - 1, prefill_chunk):
+            model(ids[:, s : min(s + prefill_chunk, ids.shape[1] - 1)], cache=cache, use_cache=True, logits_to_keep=1)
+        out = model.generate(ids, cache=cache, max_new_tokens=new_tokens, do_sample=False)
+    answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+    return {"answer": answer, "correct": is_correct(answer, case.key), "key": case.key}

@@ -1,0 +1,201 @@
+"""Per-tier partial attention read straight from the stored tensors, merged by log-sum-exp.
+
+Each function attends a block of query *rows* to one tier and returns the tier-local softmax
+output and its log-sum-exp (the FlashDecoding split-KV merge, https://crfm.stanford.edu/2023/10/12/flashdecoding.html).
+Rows are the ``Gq * q`` queries that share one KV head (GQA without ``repeat_kv``):
+``query [B, Hq, q, D] -> rows [B, Hkv, Gq * q, D]``.
+
+Packed tiers are never dequantized as a whole. Scores against k-bit keys use the per-channel
+layout: ``q . ((c - z) * s) = (q * s) . c - (q * s) . z``, and codes are read one bit-plane
+slice at a time (a 4-bit code is two slices of ``D / 2`` channels), each a transient of
+``T x D / per`` values; the same holds for values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.codecs import KBitCodec, SignCodec
+from ..quant import planes, rotation
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Partial:
+    """Normalized output ``out [B, H, R, D]`` (fp32) and ``lse [B, H, R]`` (``-inf`` = nothing attended)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+def to_rows(query: torch.Tensor, kv_heads: int, scaling: float) -> torch.Tensor:
+    """``[B, Hq, q, D] -> [B, Hkv, Gq * q, D]`` in fp32, pre-multiplied by ``scaling``."""
+    B, Hq, q, D = query.shape
+    return (query.float() * scaling).reshape(B, kv_heads, (Hq // kv_heads) * q, D)
+
+
+def from_rows(out: torch.Tensor, heads: int, q: int) -> torch.Tensor:
+    """``[B, Hkv, Gq * q, D] -> [B, q, Hq, D]`` (the attention-interface output layout)."""
+    B, _, _, D = out.shape
+    return out.reshape(B, heads, q, D).transpose(1, 2)
+
+
+def _softmax_parts(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Safe softmax over the last axis: probabilities and lse (rows fully masked give 0 and -inf)."""
+    lse = torch.logsumexp(scores, dim=-1)
+    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.exp(scores - finite.unsqueeze(-1)), lse
+
+
+def merge(parts: list[Partial]) -> torch.Tensor:
+    """Combine tier partials: ``sum_i exp(lse_i - m) out_i / sum_i exp(lse_i - m)``."""
+    parts = [p for p in parts if p is not None]
+    if len(parts) == 1:
+        return parts[0].out
+    lse = torch.stack([p.lse for p in parts])  # [P, B, H, R]
+    m = lse.amax(0)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - m)  # exp(-inf) = 0 for empty parts
+    total = w.sum(0)
+    out = sum(w[i].unsqueeze(-1) * p.out for i, p in enumerate(parts))
+    return out / torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1)
+
+
+def exact_partial(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None) -> Partial:
+    """Attention over exact tokens.
+
+    Parameters
+    ----------
+    rows : ``[B, H, R, D]`` fp32, scaled.
+    k, v : ``[B, H, N, D]`` (any float dtype).
+    allowed : bool broadcastable to ``[B, H, R, N]``, or None.
+    """
+    scores = rows @ k.float().transpose(-1, -2)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, NEG_INF)
+    p, lse = _softmax_parts(scores)
+    return Partial(p @ v.float(), lse)
+
+
+def _subplanes(codes: torch.Tensor, bits: int, dim: int):
+    """Yield ``(weight, channel_slice, values)`` for every bit-plane slice of packed codes.
+
+    ``codes: uint8 [..., packed]`` -> ``values: fp32 [..., D_pad / per]`` holding bits of channels
+    ``i::per`` (padded channel axis); the code equals ``sum(weight * values)`` per channel.
+    """
+    if bits == 8:
+        yield 1.0, slice(0, dim), codes.float()
+        return
+    n_pad = -(-dim // 8) * 8
+    start, offset = 0, 0
+    for w in planes(bits):
+        per = 8 // w
+        size = n_pad // per
+        chunk = codes[..., start : start + size]
+        mask = (1 << w) - 1
+        for i in range(per):
+            yield float(1 << offset), slice(i, n_pad, per), ((chunk >> (w * i)) & mask).float()
+        start += size
+        offset += w
+
+
+def _pad_channels(x: torch.Tensor, dim: int) -> torch.Tensor:
+    n_pad = -(-dim // 8) * 8
+    return x if n_pad == dim else torch.nn.functional.pad(x, (0, n_pad - dim))
+
+
+def _weighted_codes(p: torch.Tensor, codes: torch.Tensor, bits: int, scale: torch.Tensor, dim: int) -> torch.Tensor:
+    """``sum_t p[r, t] * scale[t, g(c)] * code[t, c]`` without unpacking whole rows of codes.
+
+    Parameters
+    ----------
+    p : ``[B, H, n, R, T]`` probabilities.
+    codes : uint8 ``[B, H, n, T, P]`` packed along channels.
+    scale : ``[B, H, n, T, NG]`` per-token, per-group scale (``G = dim / NG`` channels a group).
+
+    Returns
+    -------
+    ``[B, H, n, R, dim]`` fp32.
+    """
+    NG = scale.shape[-1]
+    G = dim // NG
+    ps = p.unsqueeze(3) * scale.float().permute(0, 1, 2, 4, 3).unsqueeze(-2)  # [B,H,n,NG,R,T]
+    out = p.new_zeros(*p.shape[:-1], -(-dim // 8) * 8)
+    for weight, sl, sub in _subplanes(codes, bits, dim):
+        i, per = sl.start, sl.step or 1
+        for g in range(NG):
+            lo, hi = -(-(g * G - i) // per), -(-((g + 1) * G - i) // per)
+            if hi > lo:
+                out[..., i + per * lo : i + per * hi : per] += weight * (ps[:, :, :, g] @ sub[..., lo:hi])
+    return out[..., :dim]
+
+
+def _per_group(p: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``sum_t p[r, t] * x[t, g]`` expanded to channels: ``[B,H,n,R,T] x [B,H,n,T,NG] -> [B,H,n,R,dim]``."""
+    NG = x.shape[-1]
+    return (p @ x.float()).repeat_interleave(dim // NG, dim=-1)
+
+
+def _block_softmax(scores: torch.Tensor, valid: torch.Tensor, block_mask: torch.Tensor | None):
+    """Softmax over all tokens of all blocks: ``scores [B,H,n,R,T]`` -> ``p`` (same shape), ``lse [B,H,R]``."""
+    valid = valid.unsqueeze(3)  # [B,1,n,1,T]
+    if block_mask is not None:
+        valid = valid & block_mask.permute(0, 1, 3, 2).unsqueeze(-1)
+    scores = scores.masked_fill(~valid, NEG_INF)
+    B, H, n, R, T = scores.shape
+    p, lse = _softmax_parts(scores.permute(0, 1, 3, 2, 4).reshape(B, H, R, n * T))
+    return p.reshape(B, H, R, n, T).permute(0, 1, 3, 2, 4), lse
+
+
+def kbit_partial(
+    rows: torch.Tensor, fields: dict[str, torch.Tensor], codec: KBitCodec, dim: int, block_mask: torch.Tensor | None
+) -> Partial:
+    """Attention over a k-bit tier without dequantizing it.
+
+    Parameters
+    ----------
+    rows : ``[B, H, R, D]`` fp32, scaled.
+    fields : the tier's tensors (``k_codes [B,H,n,T,P]``, ``k_scale/k_zero [B,H,n,1,D]``,
+        ``v_codes``, ``v_scale/v_zero [B,H,n,T,D/G]``, ``valid [B,1,n,T]``).
+    block_mask : optional bool ``[B, H, R, n]``: blocks each row may read (sparse selection).
+    """
+    ks = fields["k_scale"].float()  # [B,H,n,1,D]
+    qs = _pad_channels(rows.unsqueeze(2) * ks, dim)  # [B,H,n,R,Dp]
+    scores = -(rows.unsqueeze(2) * ks * fields["k_zero"].float()).sum(-1, keepdim=True)  # [B,H,n,R,1]
+    for weight, sl, sub in _subplanes(fields["k_codes"], codec.bits, dim):
+        scores = scores + weight * (qs[..., sl] @ sub.transpose(-1, -2))  # [B,H,n,R,T]
+    p, lse = _block_softmax(scores, fields["valid"], block_mask)
+    vs, vz = fields["v_scale"], fields["v_zero"]
+    out = _weighted_codes(p, fields["v_codes"], codec.bits, vs, dim) - _per_group(p, vz.float() * vs.float(), dim)
+    return Partial(out.sum(2), lse)
+
+
+def sign_partial(
+    rows: torch.Tensor, fields: dict[str, torch.Tensor], codec: SignCodec, dim: int, block_mask: torch.Tensor | None
+) -> Partial:
+    """Attention over a 1-bit tier: ``x = mean + scale * (2 b - 1)``, read bit slice by bit slice."""
+    r = rotation(dim, rows.device) if codec.rotate else None
+    q = rows @ r if r is not None else rows
+    ks, km = fields["k_scale"].float(), fields["k_mean"].float()  # [B,H,n,1,D]
+    qs = _pad_channels(q.unsqueeze(2) * ks, dim)
+    # q . (m + s (2b - 1)) = 2 (q s) . b + q . (m - s)
+    scores = (q.unsqueeze(2) * (km - ks)).sum(-1, keepdim=True)  # [B,H,n,R,1]
+    for _, sl, sub in _subplanes(fields["k_signs"], 1, dim):
+        scores = scores + 2.0 * (qs[..., sl] @ sub.transpose(-1, -2))
+    p, lse = _block_softmax(scores, fields["valid"], block_mask)
+    vs, vm = fields["v_scale"], fields["v_mean"]
+    out = 2.0 * _weighted_codes(p, fields["v_signs"], 1, vs, dim) + _per_group(p, vm.float() - vs.float(), dim)
+    out = out.sum(2)
+    if r is not None:
+        out = out @ r.T
+    return Partial(out, lse)
+
+
+def tier_partial(rows, fields, codec, dim, block_mask=None) -> Partial:
+    """Dispatch on the codec."""
+    if isinstance(codec, KBitCodec):
+        return kbit_partial(rows, fields, codec, dim, block_mask)
+    return sign_partial(rows, fields, codec, dim, block_mask)

@@ -1,0 +1,86 @@
+"""The caches every evaluation compares, built by name through one factory.
+
+``dynamic`` is transformers' full ``DynamicCache``; ``quanto-int4`` / ``quanto-int2`` are
+transformers' ``QuantizedCache`` (optimum-quanto backend, extra ``kvtier[baselines]``); every
+kvtier preset (``default``, ``kivi2``, ``sink-window``, ...) is a :class:`~kvtier.TieredCache`.
+A :class:`~kvtier.TierPolicy` object is accepted too (sweeps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..policy import PRESETS, TierPolicy
+
+BASELINES = ("dynamic", "quanto-int4", "quanto-int2")
+
+
+class Unavailable(RuntimeError):
+    """A cache that cannot run here (a missing optional dependency); the message says why."""
+
+
+@dataclass
+class CacheSpec:
+    """A named cache: ``build(model)`` gives a fresh cache; ``context(model)`` the attention to run it with."""
+
+    name: str
+    policy: TierPolicy | None = None
+
+    @property
+    def is_tiered(self) -> bool:
+        return self.policy is not None
+
+    def build(self, model: Any) -> Any:
+        from transformers import DynamicCache, QuantizedCache
+
+        from ..cache.tiered import TieredCache
+
+        if self.policy is not None:
+            return TieredCache(model.config, self.policy)
+        if self.name == "dynamic":
+            return DynamicCache(config=model.config)
+        if self.name.startswith("quanto-int"):
+            if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None:
+                raise Unavailable(f"{self.name} needs optimum-quanto: pip install 'kvtier[baselines]'")
+            bits = int(self.name.removeprefix("quanto-int"))
+            return QuantizedCache(backend="quanto", config=model.config, nbits=bits)
+        raise ValueError(f"unknown cache {self.name!r}")
+
+    @contextlib.contextmanager
+    def context(self, model: Any) -> Iterator[None]:
+        if self.policy is None:
+            yield
+            return
+        from ..attention import enable
+
+        with enable(model):
+            yield
+
+
+def cache_spec(name: str | TierPolicy) -> CacheSpec:
+    """A spec from a baseline name, a preset name, or a policy."""
+    if isinstance(name, TierPolicy):
+        return CacheSpec(name.name, name)
+    if name in BASELINES:
+        return CacheSpec(name)
+    if name in PRESETS:
+        return CacheSpec(name, PRESETS[name][1]())
+    raise ValueError(f"cache {name!r} is not allowed: expected one of {[*BASELINES, *PRESETS]}")
+
+
+def all_cache_names() -> list[str]:
+    return [*BASELINES, *PRESETS]
+
+
+def kv_bytes(cache: Any) -> int:
+    """Bytes held by a cache's tensors (kvtier: its memory report; others: their layer tensors)."""
+    from ..cache.tiered import TieredCache
+    from ..diagnostics import reachable_tensor_bytes
+
+    if isinstance(cache, TieredCache):
+        return cache.memory_report().total_bytes
+    return reachable_tensor_bytes(cache)

@@ -1,0 +1,112 @@
+"""Streamed perplexity and logit fidelity: tokens go through the model *with the cache* in chunks
+of <= 64, so the compressed tiers shape every later prediction; scores are taken over the last
+half of each window.
+
+All caches of a comparison run in lockstep over the same chunks: per chunk, the full cache's
+log-probabilities are the reference for KL(full || cache) and top-1 agreement of every other
+cache. One-shot full-prompt scoring never reads the compressed tiers, so it is not offered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .caches import CacheSpec, cache_spec, kv_bytes
+
+
+@dataclass
+class StreamScore:
+    """Scores of one cache on one window (sums; divide by ``tokens``)."""
+
+    nll: float = 0.0
+    kl: float = 0.0
+    top1_agree: int = 0
+    tokens: int = 0
+    kv_bytes: int = 0
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll / self.tokens)
+
+    @property
+    def mean_kl(self) -> float:
+        return self.kl / self.tokens
+
+    @property
+    def top1(self) -> float:
+        return self.top1_agree / self.tokens
+
+
+def book_windows(tokenizer, text: str, length: int, count: int = 1, offset_tokens: int = 2000) -> list[torch.Tensor]:
+    """``count`` windows of ``length`` tokens from ``text`` (``[1, length]`` each), spread evenly
+    after skipping ``offset_tokens`` (front matter)."""
+    need = offset_tokens + length * count
+    ids = tokenizer(text[: need * 6 + 10000], add_special_tokens=False).input_ids
+    if len(ids) < offset_tokens + length:
+        raise ValueError(f"text has {len(ids)} tokens, fewer than offset {offset_tokens} + window {length}")
+    room = len(ids) - offset_tokens - length
+    starts = [offset_tokens + (room * i // (count - 1) if count > 1 else 0) for i in range(count)]
+    return [torch.tensor(ids[s : s + length])[None] for s in starts]
+
+
+@torch.no_grad()
+def stream_compare(
+    model,
+    ids: torch.Tensor,
+    specs: list[CacheSpec],
+    chunk: int = 64,
+    eval_from: int | None = None,
+    reference: CacheSpec | None = None,
+) -> dict[str, StreamScore]:
+    """Feed ``ids: [1, W]`` in chunks through a fresh cache per spec, in lockstep.
+
+    Scores predictions of tokens ``eval_from + 1 .. W - 1`` (default: the last half). The
+    ``reference`` (default: the full ``dynamic`` cache) provides the distribution for KL and
+    top-1 agreement and is scored too.
+
+    Returns
+    -------
+    ``{spec.name: StreamScore}`` including the reference.
+    """
+    if not 1 <= chunk <= 64:
+        raise ValueError(f"chunk={chunk} is not allowed: expected 1..64 (streamed evaluation)")
+    reference = reference or cache_spec("dynamic")
+    specs = [reference] + [s for s in specs if s.name != reference.name]
+    W = ids.shape[1]
+    eval_from = W // 2 if eval_from is None else eval_from
+    caches = [s.build(model) for s in specs]
+    scores = {s.name: StreamScore() for s in specs}
+    for s in range(0, W - 1, chunk):
+        e = min(s + chunk, W - 1)
+        need = max(0, e - max(s, eval_from))  # positions in this chunk that are scored
+        target = ids[0, e - need + 1 : e + 1]
+        ref_logp = None
+        for spec, cache in zip(specs, caches):
+            ctx = spec.context(model) if spec.is_tiered else contextlib.nullcontext()
+            with ctx:
+                out = model(ids[:, s:e], cache=cache, use_cache=True, logits_to_keep=max(need, 1))
+            if not need:
+                continue
+            logp = F.log_softmax(out.logits[0, -need:].float(), dim=-1)
+            sc = scores[spec.name]
+            sc.nll += -logp.gather(1, target[:, None]).sum().item()
+            sc.tokens += need
+            if ref_logp is None:
+                ref_logp = logp
+                sc.top1_agree += need
+            else:
+                sc.kl += F.kl_div(logp, ref_logp, log_target=True, reduction="sum").item()
+                sc.top1_agree += int((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
+    for spec, cache in zip(specs, caches):
+        scores[spec.name].kv_bytes = kv_bytes(cache)
+    return scores
+
+
+def streamed_nll(model, ids: torch.Tensor, spec: CacheSpec, chunk: int = 64) -> StreamScore:
+    """Streamed score of one cache alone (no fidelity reference)."""
+    return stream_compare(model, ids, [], chunk=chunk, reference=spec)[spec.name]

@@ -1,0 +1,112 @@
+"""PNG plots of results: KV bytes vs context, perplexity vs bytes per token (Pareto front), and
+recall heatmaps (depth x context). matplotlib with the Agg backend (no display needed)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _style(cache: str) -> dict:
+    baseline = cache in ("dynamic", "quanto-int4", "quanto-int2", "kivi2", "sink-window", "exact")
+    return {"linestyle": "--" if baseline else "-", "marker": "s" if baseline else "o"}
+
+
+def bytes_vs_context(rows: list[dict], path: str | Path) -> Path:
+    """KV MiB vs context per cache, from rows with ``cache, context, kv_bytes``."""
+    series = defaultdict(dict)
+    for r in rows:
+        series[r["cache"]][r["context"]] = max(series[r["cache"]].get(r["context"], 0), r["kv_bytes"])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for cache, pts in sorted(series.items()):
+        xs = sorted(pts)
+        ax.plot(xs, [pts[x] / 2**20 for x in xs], label=cache, **_style(cache))
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("KV cache (MiB, measured)")
+    ax.set_title("KV bytes vs context")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def pareto(rows: list[dict], path: str | Path, context: int | None = None) -> Path:
+    """Mean Δperplexity % vs bytes per token (one point per cache), Pareto front drawn."""
+    ctxs = sorted({r["context"] for r in rows})
+    context = context or ctxs[-1]
+    acc = defaultdict(list)
+    for r in rows:
+        if r["context"] == context:
+            acc[r["cache"]].append((r["bytes_per_token"], r["dppl_pct"]))
+    pts = {c: (sum(b for b, _ in v) / len(v), sum(d for _, d in v) / len(v)) for c, v in acc.items()}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for cache, (b, d) in pts.items():
+        ax.scatter(b / 1024, d, **{"marker": _style(cache)["marker"]})
+        ax.annotate(cache, (b / 1024, d), fontsize=8, xytext=(4, 3), textcoords="offset points")
+    front, best = [], float("inf")
+    for b, d in sorted(pts.values()):
+        if d < best:
+            front.append((b / 1024, d))
+            best = d
+    if front:
+        ax.plot(*zip(*front), color="gray", alpha=0.6, linewidth=1, label="Pareto front")
+    ax.set_xscale("log")
+    ax.set_xlabel("KV bytes per token (KiB, measured, log)")
+    ax.set_ylabel("Δ perplexity vs full cache (%)")
+    ax.set_title(f"Streamed perplexity vs memory, {context} tokens")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def recall_heatmap(rows: list[dict], path: str | Path) -> Path:
+    """One panel per cache: accuracy by depth (rows) x context (columns)."""
+    caches = sorted({r["cache"] for r in rows})
+    ctxs = sorted({r["context"] for r in rows})
+    depths = sorted({r["depth"] for r in rows})
+    cols = min(4, len(caches))
+    nrows = -(-len(caches) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols, 2.8 * nrows), squeeze=False)
+    for ax in axes.flat[len(caches) :]:
+        ax.axis("off")
+    for ax, cache in zip(axes.flat, caches):
+        grid = [[float("nan")] * len(ctxs) for _ in depths]
+        for r in rows:
+            if r["cache"] == cache:
+                grid[depths.index(r["depth"])][ctxs.index(r["context"])] = r["correct"] / r["total"]
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(ctxs)), [str(c) for c in ctxs], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
+        ax.set_title(cache, fontsize=9)
+        ax.set_xlabel("context", fontsize=7)
+        ax.set_ylabel("depth", fontsize=7)
+    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="accuracy")
+    fig.suptitle("Long-range recall (secret number)")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def plots_for(doc: dict, stem: str | Path) -> list[Path]:
+    """The plots that fit a results document, written as ``<stem>-<plot>.png``."""
+    stem = str(stem)
+    kind, rows = doc["kind"], doc["rows"]
+    if not rows:
+        return []
+    if kind == "ppl":
+        return [pareto(rows, stem + "-pareto.png"), bytes_vs_context(rows, stem + "-bytes.png")]
+    if kind == "bench":
+        return [bytes_vs_context(rows, stem + "-bytes.png")]
+    if kind == "recall":
+        return [recall_heatmap(rows, stem + "-recall.png")]
+    return []

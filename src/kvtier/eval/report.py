@@ -1,0 +1,129 @@
+"""``kvtier report``: results files -> one markdown report with tables and plots."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from .plots import plots_for
+from .results import load
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _ppl_section(doc: dict) -> str:
+    rows = doc["rows"]
+    ctxs = sorted({r["context"] for r in rows})
+    caches = list(dict.fromkeys(r["cache"] for r in rows))
+    texts = list(dict.fromkeys(r["text"] for r in rows))
+    parts = []
+    for ctx in ctxs:
+        header = ["cache", *[f"ppl {t}" for t in texts], "mean Δppl %", "KV ratio vs fp16", "KiB/token"]
+        table = []
+        for c in caches:
+            rs = [r for r in rows if r["cache"] == c and r["context"] == ctx]
+            by_text = {r["text"]: r for r in rs}
+            table.append(
+                [
+                    c,
+                    *[f"{by_text[t]['ppl']:.3f}" if t in by_text else "" for t in texts],
+                    f"{sum(r['dppl_pct'] for r in rs) / len(rs):+.2f}",
+                    f"{sum(r['kv_bytes'] / r['dense_fp16_bytes'] for r in rs) / len(rs):.3f}",
+                    f"{sum(r['bytes_per_token'] for r in rs) / len(rs) / 1024:.2f}",
+                ]
+            )
+        parts.append(
+            f"**{ctx} tokens** (streamed, chunks of {doc['config'].get('chunk', 64)})\n\n" + _table(header, table)
+        )
+    return "\n\n".join(parts)
+
+
+def _recall_section(doc: dict) -> str:
+    rows = doc["rows"]
+    ctxs = sorted({r["context"] for r in rows})
+    acc = defaultdict(lambda: [0, 0])
+    for r in rows:
+        for key in ((r["cache"], r["context"]), (r["cache"], "all")):
+            acc[key][0] += r["correct"]
+            acc[key][1] += r["total"]
+    caches = list(dict.fromkeys(r["cache"] for r in rows))
+    table = [
+        [c, *[f"{acc[(c, x)][0]}/{acc[(c, x)][1]}" for x in ctxs], f"{acc[(c, 'all')][0] / acc[(c, 'all')][1]:.0%}"]
+        for c in caches
+    ]
+    return _table(["cache", *[f"{c} tok" for c in ctxs], "all"], table)
+
+
+def _fidelity_section(doc: dict) -> str:
+    rows = doc["rows"]
+    table = [[r["cache"], r["text"], r["context"], f"{r['kl']:.4f}", f"{r['top1']:.3f}"] for r in rows]
+    return _table(["cache", "text", "context", "KL(full‖cache) nats/token", "top-1 agreement"], table)
+
+
+def _bench_section(doc: dict) -> str:
+    rows = doc["rows"]
+    table = [
+        [
+            r["cache"],
+            r["context"],
+            f"{r['prefill_s']:.2f}",
+            f"{r['decode_tok_s']:.2f}",
+            f"{r['ms_per_token']:.1f}",
+            f"{r['decode_tok_s_ratio']:.2f}",
+            f"{r['kv_bytes'] / 2**20:.1f}",
+            f"{r.get('kv_bytes_ratio', float('nan')):.3f}",
+            f"{r['peak_rss_mb']:.0f}",
+        ]
+        for r in rows
+    ]
+    return _table(
+        [
+            "cache",
+            "context",
+            "prefill s",
+            "decode tok/s",
+            "ms/token",
+            "tok/s vs full",
+            "KV MiB",
+            "KV vs full",
+            "peak RSS MiB",
+        ],
+        table,
+    )
+
+
+SECTIONS = {
+    "ppl": ("Streamed perplexity", _ppl_section),
+    "recall": ("Long-range recall", _recall_section),
+    "fidelity": ("Logit fidelity vs the full cache", _fidelity_section),
+    "bench": ("Speed and memory", _bench_section),
+}
+
+
+def build_report(paths: list[str | Path], out: str | Path) -> Path:
+    """Write ``out`` (markdown) with a section per results file and its plots beside it."""
+    out = Path(out)
+    assets = out.parent / (out.stem + "_assets")
+    assets.mkdir(parents=True, exist_ok=True)
+    lines = ["# kvtier report", ""]
+    for i, p in enumerate(paths):
+        doc = load(p)
+        title, fn = SECTIONS[doc["kind"]]
+        env = doc["env"]
+        lines += [
+            f"## {title}",
+            "",
+            f"`{doc['command']}` — {doc['created']}, torch {env['torch']}, transformers "
+            f"{env['transformers']}, {env['threads']} threads, {env['device']}",
+            "",
+            fn(doc),
+            "",
+        ]
+        for png in plots_for(doc, assets / f"{i}-{doc['kind']}"):
+            lines += [f"![{png.stem}]({png.relative_to(out.parent)})", ""]
+    out.write_text("\n".join(lines))
+    return out

