@@ -105,6 +105,43 @@ class MemoryReport:
         return "\n".join(lines)
 
 
+@dataclass
+class SparseStats:
+    """Attention work of a layer, in (query row, key token) pairs; each pair costs ``2 D`` FLOPs
+    for its score and ``2 D`` for its value. ``attended`` counts what each row reads after
+    selection; ``computed`` what was actually evaluated (the union of a head's rows, plus block
+    scores); ``bytes_*`` the tier bytes a dense pass would read and those gathered."""
+
+    total: int = 0
+    attended: int = 0
+    computed: int = 0
+    bytes_total: int = 0
+    bytes_read: int = 0
+    calls: int = 0
+    by_phase: dict = field(default_factory=dict)
+
+    def add(self, other: SparseStats) -> None:
+        for name in ("total", "attended", "computed", "bytes_total", "bytes_read", "calls"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @property
+    def skipped(self) -> float:
+        """Fraction of attention work skipped by selection."""
+        return 1 - self.attended / self.total if self.total else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "pairs_total": self.total,
+            "pairs_attended": self.attended,
+            "pairs_computed": self.computed,
+            "skipped_fraction": self.skipped,
+            "computed_fraction": self.computed / self.total if self.total else 1.0,
+            "tier_bytes_total": self.bytes_total,
+            "tier_bytes_read": self.bytes_read,
+            "calls": self.calls,
+        }
+
+
 def _layer_dense_fp16(layer: Any) -> int:
     from .cache.layer import TieredLayer
 

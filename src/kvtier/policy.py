@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 WARM_BITS = (2, 3, 4, 6, 8)
 COLD_BITS = (2, 3, 4, 6, 8)
 COLD_MODES = ("sign", "quant", "evict")
+SPARSE_METHODS = ("topk", "quantile", "mass")
 EXACT_DTYPES = ("model", "half", "float16", "bfloat16", "float32")
 
 
@@ -36,6 +37,43 @@ def _check_count(name: str, value: object, *, allow_none: bool, minimum: int = 0
     ok = (value is None and allow_none) or (isinstance(value, int) and not isinstance(value, bool) and value >= minimum)
     allowed = f"an int >= {minimum}" + (" or None (unbounded)" if allow_none else "")
     _check(ok, name, value, allowed)
+
+
+@dataclass(frozen=True)
+class SparsePolicy:
+    """Dynamic sparse attention over the warm and cold tiers.
+
+    Sinks, the hot tier and the last ``local_window`` tokens are always attended. Beyond them,
+    each query row keeps only the blocks whose cheap score passes a per-row threshold. The block
+    score is Quest's upper bound of ``q . k`` over the block (https://arxiv.org/abs/2406.10774),
+    read for free from the quantization metadata (per-channel min and max of every block).
+
+    Attributes
+    ----------
+    local_window : tokens before the query always attended (a block overlapping it is kept).
+    method : ``"topk"`` keeps ``ceil(level * blocks)`` blocks per row; ``"quantile"`` keeps blocks
+        whose score is at least the ``level`` quantile of the row's block scores (the seed's
+        ``torch.quantile(scores, 0.7)`` is ``level=0.7``); ``"mass"`` keeps the fewest blocks whose
+        estimated softmax mass (block score + log block size) reaches ``level``.
+    level : the method's parameter, in (0, 1].
+    min_blocks : never keep fewer blocks than this per row.
+    """
+
+    local_window: int = 64
+    method: str = "topk"
+    level: float = 0.5
+    min_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        _check_count("local_window", self.local_window, allow_none=False)
+        _check_count("min_blocks", self.min_blocks, allow_none=False)
+        _check(self.method in SPARSE_METHODS, "method", self.method, f"one of {SPARSE_METHODS}")
+        _check(
+            isinstance(self.level, (int, float)) and not isinstance(self.level, bool) and 0 < self.level <= 1,
+            "level",
+            self.level,
+            "a number in (0, 1]",
+        )
 
 
 @dataclass
@@ -56,6 +94,7 @@ class TierPolicy:
     value_group_size : channels per group of per-token value statistics (divides head_dim).
     exact_dtype : storage of sinks and hot tokens: ``"model"`` (the model's dtype),
         ``"half"`` (fp16 when the model runs in fp32, else the model's dtype) or a dtype name.
+    sparse : a :class:`SparsePolicy` for dynamic sparse attention over warm and cold, or None.
     layer_overrides : layer index -> policy or preset name; negative indices count from the end.
     name : label used in reports.
     """
@@ -70,6 +109,7 @@ class TierPolicy:
     block_tokens: int = 64
     value_group_size: int = 64
     exact_dtype: str = "model"
+    sparse: SparsePolicy | None = None
     layer_overrides: dict[int, TierPolicy | str] = field(default_factory=lambda: {0: "exact", -1: "exact"})
     name: str = "custom"
 
@@ -91,6 +131,12 @@ class TierPolicy:
                 self.warm_tokens,
                 f"a multiple of block_tokens={self.block_tokens}",
             )
+        _check(
+            self.sparse is None or isinstance(self.sparse, SparsePolicy),
+            "sparse",
+            self.sparse,
+            "a SparsePolicy or None",
+        )
         _check(isinstance(self.layer_overrides, dict), "layer_overrides", self.layer_overrides, "a dict")
         for idx, sub in self.layer_overrides.items():
             _check(isinstance(idx, int) and not isinstance(idx, bool), "layer_overrides key", idx, "an int")

@@ -9,9 +9,11 @@ from __future__ import annotations
 import torch
 
 from ..cache.layer import TieredLayer
+from ..diagnostics import SparseStats
 from .mask import KVMask
 from .partials import Partial, exact_partial, from_rows, merge, tier_partial, to_rows
 from .reference import reference_attention
+from .sparse import block_bounds, gather_blocks, select_blocks
 
 #: Max score elements (rows x tokens) per pass; longer query chunks are split.
 SCORE_BUDGET = 1 << 23
@@ -32,15 +34,60 @@ def _attend(layer: TieredLayer, query: torch.Tensor, q_pos: torch.Tensor, paddin
     B, Hq, q, D = query.shape
     H = layer.kv_heads
     rows = to_rows(query, H, scaling)
+    R = rows.shape[2]
     parts: list[Partial] = []
+    stats = SparseStats(calls=1) if layer.policy.sparse is not None else None
     if layer.sinks.k is not None:
-        parts.append(exact_partial(rows, layer.sinks.k, layer.sinks.v, layer.sinks.valid()[:, None, None, :]))
-    for tier in (layer.cold, layer.warm):
-        if tier is not None and tier.nblocks:
-            parts.append(tier_partial(rows, tier.fields, tier.codec, D))
+        sink_valid = layer.sinks.valid()
+        parts.append(exact_partial(rows, layer.sinks.k, layer.sinks.v, sink_valid[:, None, None, :]))
+        if stats is not None:
+            n = int(sink_valid.sum()) * H * R
+            stats.total += n
+            stats.attended += n
+            stats.computed += n
+    tiers = [t for t in (layer.cold, layer.warm) if t is not None and t.nblocks]
+    if stats is not None and tiers:
+        parts += _sparse_parts(layer, rows, q_pos.repeat(Hq // H), tiers, stats)
+    else:
+        parts += [tier_partial(rows, t.fields, t.codec, D) for t in tiers]
     hk, hv = layer.hot.view()
-    parts.append(exact_partial(rows, hk, hv, _hot_allowed(layer, q_pos, padding, Hq // H)))
+    allowed = _hot_allowed(layer, q_pos, padding, Hq // H)
+    parts.append(exact_partial(rows, hk, hv, allowed))
+    if stats is not None:
+        n = int(allowed.sum()) * H * (B if allowed.shape[0] == 1 else 1)
+        stats.total += n
+        stats.attended += n
+        stats.computed += n
+        layer.sparse_stats.add(stats)
     return from_rows(merge(parts), Hq, q)
+
+
+def _sparse_parts(layer: TieredLayer, rows: torch.Tensor, row_pos: torch.Tensor, tiers, stats: SparseStats):
+    """Partials over the blocks each row selects (see :mod:`kvtier.attention.sparse`)."""
+    sp = layer.policy.sparse
+    T = layer.policy.block_tokens
+    D = rows.shape[-1]
+    B, H, R, _ = rows.shape
+    start = layer.evicted  # cold blocks first, then warm: consecutive token ranges
+    bounds, ends, sizes = [], [], []
+    for t in tiers:
+        bounds.append(block_bounds(rows, t))
+        ends.append(start + T * torch.arange(1, t.nblocks + 1, device=rows.device))
+        sizes.append(t.nblocks)
+        start += t.ntokens
+    forced = torch.cat(ends)[None, None, None, :] > (row_pos - sp.local_window)[None, None, :, None]
+    keep = select_blocks(torch.cat(bounds, dim=-1), sp, forced, T)
+    parts = []
+    for t, keep_t in zip(tiers, keep.split(sizes, dim=-1)):
+        fields, row_mask, k = gather_blocks(t, keep_t)
+        parts.append(tier_partial(rows, fields, t.codec, D, row_mask))
+        per_block = t.fields["valid"].sum(-1)  # [B,1,n] real tokens per block
+        stats.total += int(per_block.sum()) * H * R
+        stats.attended += int((keep_t * per_block.unsqueeze(2)).sum())
+        stats.computed += int(fields["valid"].sum()) * R + B * H * R * t.nblocks  # gathered pairs + bounds
+        stats.bytes_total += t.codec.nbytes(B, H, t.nblocks, T, D)
+        stats.bytes_read += t.codec.nbytes(B, H, k, T, D)
+    return parts
 
 
 def tiered_attention(layer: TieredLayer, query: torch.Tensor, mask: KVMask | None, scaling: float) -> torch.Tensor:

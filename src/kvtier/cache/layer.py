@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from ..diagnostics import SparseStats
 from ..policy import TierPolicy
 from .codecs import Codec, KBitCodec, SignCodec
 from .tiers import BlockTier, HotBuffer, SinkBuffer
@@ -93,6 +94,7 @@ class TieredLayer(CacheLayerMixin):
         self.sinks = SinkBuffer(0 if p.is_exact else p.sink_tokens)
         self.warm: BlockTier | None = None
         self.cold: BlockTier | None = None
+        self.sparse_stats = SparseStats()
         self.seen = 0
         self.hot_start = 0
         self.evicted = 0

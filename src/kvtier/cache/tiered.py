@@ -76,6 +76,15 @@ class TieredCache(Cache):
     def tiered_layers(self) -> list[TieredLayer]:
         return [layer for layer in self.layers if isinstance(layer, TieredLayer)]
 
+    def sparse_stats(self):  # noqa: ANN201 - kvtier.diagnostics.SparseStats
+        """Attention work of all tiered layers so far (see :class:`kvtier.diagnostics.SparseStats`)."""
+        from ..diagnostics import SparseStats
+
+        total = SparseStats()
+        for layer in self.tiered_layers:
+            total.add(layer.sparse_stats)
+        return total
+
     def memory_report(self):  # noqa: ANN201 - see kvtier.diagnostics.MemoryReport
         """Bytes held per tier and layer; see :class:`kvtier.diagnostics.MemoryReport`."""
         from ..diagnostics import memory_report

@@ -1,0 +1,95 @@
+"""Dynamic block-sparse selection over the warm and cold tiers, and exact work accounting.
+
+Block score: Quest's upper bound of ``q . k`` over a block, ``sum_d max(q_d lo_d, q_d hi_d)``,
+where ``lo, hi`` are the per-channel extremes of the block's *stored* keys. They come for free
+from the quantization metadata: a k-bit block spans ``[-zero * scale, (qmax - zero) * scale]``
+per channel, a sign block ``mean -/+ scale``. The bound costs ``1 / block_tokens`` of the scores.
+
+Each query row keeps the blocks its method selects (see :class:`~kvtier.policy.SparsePolicy`),
+plus every block overlapping its local window. The attention then reads only the union of the
+blocks a KV head's rows selected (gathered packed blocks), and masks per row within it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..cache.codecs import KBitCodec
+from ..cache.tiers import BlockTier
+from ..policy import SparsePolicy
+from ..quant import rotation
+
+
+def block_bounds(rows: torch.Tensor, tier: BlockTier) -> torch.Tensor:
+    """Upper bound of ``row . k`` per block: ``rows [B,H,R,D]`` -> ``[B,H,R,n]`` (-inf: empty block)."""
+    f = tier.fields
+    if isinstance(tier.codec, KBitCodec):
+        s, z = f["k_scale"].float().squeeze(3), f["k_zero"].float().squeeze(3)  # [B,H,n,D]
+        lo, hi = -z * s, ((1 << tier.codec.bits) - 1 - z) * s
+    else:
+        s, m = f["k_scale"].float().squeeze(3), f["k_mean"].float().squeeze(3)
+        lo, hi = m - s, m + s
+        if tier.codec.rotate:
+            rows = rows @ rotation(rows.shape[-1], rows.device)
+    bound = rows.clamp(min=0) @ hi.transpose(-1, -2) + rows.clamp(max=0) @ lo.transpose(-1, -2)
+    empty = ~f["valid"].any(-1)  # [B,1,n]
+    return bound.masked_fill(empty.unsqueeze(2), float("-inf"))
+
+
+def select_blocks(bounds: torch.Tensor, policy: SparsePolicy, forced: torch.Tensor, block_tokens: int) -> torch.Tensor:
+    """bool ``[B,H,R,n]``: blocks each row keeps.
+
+    Parameters
+    ----------
+    bounds : ``[B,H,R,n]`` block scores (-inf for empty blocks).
+    forced : bool broadcastable to ``bounds``: blocks always kept (local window).
+    """
+    n = bounds.shape[-1]
+    finite = torch.isfinite(bounds)
+    if policy.method == "topk":
+        k = min(n, max(policy.min_blocks, math.ceil(policy.level * n)))
+        kth = bounds.topk(k, dim=-1).values[..., -1:]
+        keep = bounds >= kth
+    elif policy.method == "quantile":
+        filled = torch.where(finite, bounds, torch.full_like(bounds, float("nan")))
+        thr = torch.nanquantile(filled, 1 - policy.level, dim=-1, keepdim=True)
+        keep = bounds >= torch.nan_to_num(thr, nan=float("inf"))
+    else:  # mass
+        logits = bounds + math.log(block_tokens)
+        p = torch.softmax(logits.masked_fill(~finite, float("-inf")), dim=-1).nan_to_num(0.0)
+        order = p.argsort(dim=-1, descending=True)
+        sorted_p = p.gather(-1, order)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass of the blocks ranked above
+        keep_sorted = before < policy.level
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    if policy.min_blocks:
+        k = min(n, policy.min_blocks)
+        keep |= bounds >= bounds.topk(k, dim=-1).values[..., -1:]
+    return (keep | forced) & finite
+
+
+def gather_blocks(tier: BlockTier, keep: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
+    """Gather the union of kept blocks per (batch, head).
+
+    Returns
+    -------
+    fields : the tier's tensors restricted to ``k`` blocks per head (``[B, H, k, ...]``).
+    row_mask : bool ``[B, H, R, k]``: which gathered blocks each row keeps.
+    k : blocks gathered per head.
+    """
+    union = keep.any(2)  # [B,H,n]
+    k = max(1, int(union.sum(-1).max()))
+    score = union.float() + torch.linspace(1e-3, 0, union.shape[-1], device=union.device)  # stable order
+    idx = score.topk(k, dim=-1).indices.sort(dim=-1).values  # [B,H,k]
+    taken = union.gather(-1, idx)  # padding picks are False
+    out = {}
+    B, H = idx.shape[:2]
+    for name, t in tier.fields.items():
+        if t.shape[1] != H:
+            t = t.expand(t.shape[0], H, *t.shape[2:])
+        view = idx.reshape(B, H, k, *([1] * (t.dim() - 3))).expand(B, H, k, *t.shape[3:])
+        out[name] = t.gather(2, view)
+    row_mask = keep.gather(-1, idx.unsqueeze(2).expand(-1, -1, keep.shape[2], -1)) & taken.unsqueeze(2)
+    return out, row_mask, k
