@@ -18,6 +18,7 @@ import time
 import torch
 
 from kvtier import TierPolicy, get_policy
+from kvtier.policy import SparsePolicy
 from kvtier.eval.caches import cache_spec
 from kvtier.eval.perplexity import book_windows, streamed_nll
 from kvtier.eval.texts import load_texts
@@ -41,12 +42,24 @@ CANDIDATES = {
 }
 
 
+B64 = D.replace(block_tokens=64, hot_tokens=64)
+SPARSE = {
+    "b64-hot64": B64,
+    "b64-hot64-sinks8": B64.replace(sink_tokens=8),
+    "b64-hot64 +topk0.5": B64.replace(sparse=SparsePolicy(64, "topk", 0.5)),
+    "b64-hot64 +quantile0.5": B64.replace(sparse=SparsePolicy(64, "quantile", 0.5)),
+    "b64-hot64 +mass0.95": B64.replace(sparse=SparsePolicy(64, "mass", 0.95)),
+}
+GROUPS = {"first": CANDIDATES, "sparse": SPARSE}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--books", nargs="+", default=["dracula", "huckleberry_finn"])
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--only", nargs="*", help="substring filter on candidate names")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--group", choices=sorted(GROUPS), default="first")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_model()
@@ -55,7 +68,7 @@ def main() -> None:
     base = {b: streamed_nll(model, w, cache_spec("dynamic")) for b, w in windows.items()}
     print("full cache:", {b: round(r.ppl, 3) for b, r in base.items()}, flush=True)
     rows = []
-    for name, pol in CANDIDATES.items():
+    for name, pol in GROUPS[args.group].items():
         if args.only and not any(s in name for s in args.only):
             continue
         t0 = time.time()

@@ -80,12 +80,24 @@ POLICIES = {
 }
 
 
+@pytest.fixture(params=["torch", "kernel"])
+def path(request, monkeypatch):
+    """Run the fast path through batched torch ops or through the fused CPU kernel."""
+    import kvtier.attention.partials as partials
+    from kvtier.kernels import cpu
+
+    if request.param == "kernel" and not cpu.available():
+        pytest.skip("CPU kernel could not be built here")
+    monkeypatch.setattr(partials, "KERNEL_MAX_ROWS", 10**6 if request.param == "kernel" else -1)
+    return request.param
+
+
 @pytest.mark.parametrize("name", list(POLICIES))
 @pytest.mark.parametrize("D", [12, 16])
 @pytest.mark.parametrize("gqa", [1, 3, 4])
 @pytest.mark.parametrize("q", [1, 5])
 @pytest.mark.parametrize("B,pads", [(1, [0]), (3, [0, 7, 30])])
-def test_fast_matches_reference(name, D, gqa, q, B, pads):
+def test_fast_matches_reference(name, D, gqa, q, B, pads, path):
     policy = POLICIES[name]
     if policy.value_group_size > D or D % min(policy.value_group_size, D):
         policy = policy.replace(value_group_size=D)
@@ -96,7 +108,7 @@ def test_fast_matches_reference(name, D, gqa, q, B, pads):
     check_close(layer, query, mask_for(valid, q))
 
 
-def test_long_query_is_split_and_still_matches(monkeypatch):
+def test_long_query_is_split_and_still_matches(monkeypatch, path):
     import kvtier.attention.tiered as tiered
 
     monkeypatch.setattr(tiered, "SCORE_BUDGET", 200)  # force several query chunks
@@ -133,7 +145,7 @@ SPARSE = [
 @pytest.mark.parametrize("sp", SPARSE, ids=lambda s: s.method)
 @pytest.mark.parametrize("name", ["int4+sign", "int2+int3", "int6+rot"])
 @pytest.mark.parametrize("q", [1, 4])
-def test_sparse_matches_reference_on_selected_blocks(sp, name, q):
+def test_sparse_matches_reference_on_selected_blocks(sp, name, q, path):
     """With sparsity, the fast path equals the reference restricted to the kept blocks: it drops
     exactly the blocks the selection drops and nothing else."""
     policy = POLICIES[name].replace(sparse=sp, value_group_size=8)
@@ -199,7 +211,7 @@ def _head_view(layer, kv):
     return out
 
 
-def test_sparse_skips_work_and_counts_it():
+def test_sparse_skips_work_and_counts_it(path):
     policy = POLICIES["int3 all"].replace(hot_tokens=8, block_tokens=8, sparse=SparsePolicy(4, "topk", 0.25))
     layer, valid = build_layer(policy, 1, 2, 16, [400, 1], [0])
     tiered_attention(layer, torch.randn(1, 2, 1, 16), mask_for(valid, 1), 0.25)  # one row per KV head

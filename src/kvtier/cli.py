@@ -149,7 +149,7 @@ def _caches(text: str) -> list[str]:
     from .eval.caches import all_cache_names
 
     names = all_cache_names() if text == "all" else text.split(",")
-    bad = [n for n in names if n not in all_cache_names()]
+    bad = [n for n in names if n not in all_cache_names() and n.removesuffix(":reference") not in PRESETS]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown caches {bad}: expected 'all' or some of {all_cache_names()}")
     if "dynamic" not in names:

@@ -194,8 +194,53 @@ def sign_partial(
     return Partial(out, lse)
 
 
+#: Query rows per KV head up to which the fused CPU kernel is used (decode); longer chunks
+#: (prefill) go to batched matmuls, which amortize better over many rows.
+KERNEL_MAX_ROWS = 16
+
+
+def affine(fields: dict[str, torch.Tensor], codec: KBitCodec | SignCodec):
+    """``x = a * code + b`` parameters of a tier's keys ``[B,H,n,D]`` and values ``[B,H,n,T,NG]`` (fp32)."""
+    if isinstance(codec, KBitCodec):
+        ka, kz = fields["k_scale"].float().squeeze(3), fields["k_zero"].float().squeeze(3)
+        va, vz = fields["v_scale"].float(), fields["v_zero"].float()
+        return ka, -ka * kz, va, -va * vz, fields["k_codes"], fields["v_codes"]
+    ks, km = fields["k_scale"].float().squeeze(3), fields["k_mean"].float().squeeze(3)
+    vs, vm = fields["v_scale"].float(), fields["v_mean"].float()
+    return 2 * ks, km - ks, 2 * vs, vm - vs, fields["k_signs"], fields["v_signs"]
+
+
+def kernel_partial(
+    rows: torch.Tensor,
+    fields: dict[str, torch.Tensor],
+    codec: KBitCodec | SignCodec,
+    dim: int,
+    blocks: torch.Tensor | None = None,
+    row_mask: torch.Tensor | None = None,
+) -> Partial:
+    """The fused CPU kernel over a tier (all blocks, or the ``blocks [B,H,k]`` listed)."""
+    from ..kernels import cpu
+
+    ka, kb, va, vb, kc, vc = affine(fields, codec)
+    bits = codec.bits if isinstance(codec, KBitCodec) else 1
+    r = rotation(dim, rows.device) if isinstance(codec, SignCodec) and codec.rotate else None
+    q = rows @ r if r is not None else rows
+    out, lse = cpu.packed_attention(q, kc, ka, kb, vc, va, vb, fields["valid"].squeeze(1), bits, dim, blocks, row_mask)
+    return Partial(out @ r.T if r is not None else out, lse)
+
+
+def use_kernel(rows: torch.Tensor) -> bool:
+    if not rows.is_cpu or rows.shape[2] > KERNEL_MAX_ROWS:
+        return False
+    from ..kernels import cpu
+
+    return cpu.available()
+
+
 def tier_partial(rows, fields, codec, dim, block_mask=None) -> Partial:
-    """Dispatch on the codec."""
+    """Attention over a whole tier: the fused kernel where it applies, else batched torch ops."""
+    if block_mask is None and use_kernel(rows):
+        return kernel_partial(rows, fields, codec, dim)
     if isinstance(codec, KBitCodec):
         return kbit_partial(rows, fields, codec, dim, block_mask)
     return sign_partial(rows, fields, codec, dim, block_mask)

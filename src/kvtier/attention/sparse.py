@@ -70,26 +70,32 @@ def select_blocks(bounds: torch.Tensor, policy: SparsePolicy, forced: torch.Tens
     return (keep | forced) & finite
 
 
-def gather_blocks(tier: BlockTier, keep: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
-    """Gather the union of kept blocks per (batch, head).
+def union_blocks(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The union of kept blocks per (batch, head), in CSR-like padded form.
 
     Returns
     -------
-    fields : the tier's tensors restricted to ``k`` blocks per head (``[B, H, k, ...]``).
-    row_mask : bool ``[B, H, R, k]``: which gathered blocks each row keeps.
-    k : blocks gathered per head.
+    blocks : int64 ``[B, H, k]`` block ids in ascending order, ``-1`` where a head keeps fewer.
+    row_mask : bool ``[B, H, R, k]``: which listed blocks each row keeps.
     """
     union = keep.any(2)  # [B,H,n]
     k = max(1, int(union.sum(-1).max()))
-    score = union.float() + torch.linspace(1e-3, 0, union.shape[-1], device=union.device)  # stable order
-    idx = score.topk(k, dim=-1).indices.sort(dim=-1).values  # [B,H,k]
-    taken = union.gather(-1, idx)  # padding picks are False
+    order = torch.arange(union.shape[-1], 0, -1, device=union.device, dtype=torch.float)
+    idx = (union.float() * (union.shape[-1] + 1) + order).topk(k, dim=-1).indices.sort(dim=-1).values
+    taken = union.gather(-1, idx)
+    idx = torch.where(taken, idx, torch.full_like(idx, -1))
+    row_mask = keep.gather(-1, idx.clamp(min=0).unsqueeze(2).expand(-1, -1, keep.shape[2], -1)) & taken.unsqueeze(2)
+    return idx, row_mask
+
+
+def gather_fields(fields: dict[str, torch.Tensor], blocks: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tier tensors restricted to ``blocks [B,H,k]`` (``-1`` entries read block 0; mask them)."""
+    B, H, k = blocks.shape
+    idx = blocks.clamp(min=0)
     out = {}
-    B, H = idx.shape[:2]
-    for name, t in tier.fields.items():
+    for name, t in fields.items():
         if t.shape[1] != H:
             t = t.expand(t.shape[0], H, *t.shape[2:])
         view = idx.reshape(B, H, k, *([1] * (t.dim() - 3))).expand(B, H, k, *t.shape[3:])
         out[name] = t.gather(2, view)
-    row_mask = keep.gather(-1, idx.unsqueeze(2).expand(-1, -1, keep.shape[2], -1)) & taken.unsqueeze(2)
-    return out, row_mask, k
+    return out

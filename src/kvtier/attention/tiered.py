@@ -11,9 +11,9 @@ import torch
 from ..cache.layer import TieredLayer
 from ..diagnostics import SparseStats
 from .mask import KVMask
-from .partials import Partial, exact_partial, from_rows, merge, tier_partial, to_rows
+from .partials import Partial, exact_partial, from_rows, kernel_partial, merge, tier_partial, to_rows, use_kernel
 from .reference import reference_attention
-from .sparse import block_bounds, gather_blocks, select_blocks
+from .sparse import block_bounds, gather_fields, select_blocks, union_blocks
 
 #: Max score elements (rows x tokens) per pass; longer query chunks are split.
 SCORE_BUDGET = 1 << 23
@@ -79,12 +79,17 @@ def _sparse_parts(layer: TieredLayer, rows: torch.Tensor, row_pos: torch.Tensor,
     keep = select_blocks(torch.cat(bounds, dim=-1), sp, forced, T)
     parts = []
     for t, keep_t in zip(tiers, keep.split(sizes, dim=-1)):
-        fields, row_mask, k = gather_blocks(t, keep_t)
-        parts.append(tier_partial(rows, fields, t.codec, D, row_mask))
+        blocks, row_mask = union_blocks(keep_t)
+        k = blocks.shape[-1]
+        if use_kernel(rows):
+            parts.append(kernel_partial(rows, t.fields, t.codec, D, blocks, row_mask))
+        else:
+            parts.append(tier_partial(rows, gather_fields(t.fields, blocks), t.codec, D, row_mask))
         per_block = t.fields["valid"].sum(-1)  # [B,1,n] real tokens per block
+        listed = per_block.expand(B, H, -1).gather(-1, blocks.clamp(min=0)) * (blocks >= 0)
         stats.total += int(per_block.sum()) * H * R
         stats.attended += int((keep_t * per_block.unsqueeze(2)).sum())
-        stats.computed += int(fields["valid"].sum()) * R + B * H * R * t.nblocks  # gathered pairs + bounds
+        stats.computed += int(listed.sum()) * R + B * H * R * t.nblocks  # gathered pairs + bounds
         stats.bytes_total += t.codec.nbytes(B, H, t.nblocks, T, D)
         stats.bytes_read += t.codec.nbytes(B, H, k, T, D)
     return parts

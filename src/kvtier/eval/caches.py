@@ -3,7 +3,9 @@
 ``dynamic`` is transformers' full ``DynamicCache``; ``quanto-int4`` / ``quanto-int2`` are
 transformers' ``QuantizedCache`` (optimum-quanto backend, extra ``kvtier[baselines]``); every
 kvtier preset (``default``, ``kivi2``, ``sink-window``, ...) is a :class:`~kvtier.TieredCache`.
-A :class:`~kvtier.TierPolicy` object is accepted too (sweeps).
+A :class:`~kvtier.TierPolicy` object is accepted too (sweeps). A preset name with the suffix
+``:reference`` runs kvtier's reference attention (every tier decoded, one SDPA call) instead of
+the fast path, e.g. ``default:reference``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class CacheSpec:
 
     name: str
     policy: TierPolicy | None = None
+    attention: str = "fast"
 
     @property
     def is_tiered(self) -> bool:
@@ -40,7 +43,7 @@ class CacheSpec:
         from ..cache.tiered import TieredCache
 
         if self.policy is not None:
-            return TieredCache(model.config, self.policy)
+            return TieredCache(model.config, self.policy, attention=self.attention)
         if self.name == "dynamic":
             return DynamicCache(config=model.config)
         if self.name.startswith("quanto-int"):
@@ -69,6 +72,9 @@ def cache_spec(name: str | TierPolicy) -> CacheSpec:
         return CacheSpec(name)
     if name in PRESETS:
         return CacheSpec(name, PRESETS[name][1]())
+    base, _, path = name.partition(":")
+    if base in PRESETS and path == "reference":
+        return CacheSpec(name, PRESETS[base][1](), attention="reference")
     raise ValueError(f"cache {name!r} is not allowed: expected one of {[*BASELINES, *PRESETS]}")
 
 
