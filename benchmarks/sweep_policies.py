@@ -18,12 +18,12 @@ import time
 import torch
 
 from kvtier import TierPolicy, get_policy
-from kvtier.policy import SparsePolicy
 from kvtier.eval.caches import cache_spec
 from kvtier.eval.perplexity import book_windows, streamed_nll
 from kvtier.eval.texts import load_texts
 from kvtier.models import load_model
 from kvtier.plan import plan
+from kvtier.policy import SparsePolicy
 
 D = get_policy("default")
 CANDIDATES = {
@@ -37,18 +37,24 @@ CANDIDATES = {
     "w1024int4+cold-int2": D.replace(warm_tokens=1024, cold="quant", cold_bits=2),
     "max-compression (sign)": get_policy("max-compression"),
     "max-compression (sign+hadamard)": get_policy("max-compression").replace(cold_rotation=True),
-    "kivi4-b32-nosinks": TierPolicy(hot_tokens=128, warm_tokens=None, warm_bits=4, sink_tokens=0, block_tokens=32,
-                                    value_group_size=32, layer_overrides={}),
+    "kivi4-b32-nosinks": TierPolicy(
+        hot_tokens=128,
+        warm_tokens=None,
+        warm_bits=4,
+        sink_tokens=0,
+        block_tokens=32,
+        value_group_size=32,
+        layer_overrides={},
+    ),
 }
 
 
 B64 = D.replace(block_tokens=64, hot_tokens=64)
 SPARSE = {
-    "b64-hot64": B64,
-    "b64-hot64-sinks8": B64.replace(sink_tokens=8),
-    "b64-hot64 +topk0.5": B64.replace(sparse=SparsePolicy(64, "topk", 0.5)),
-    "b64-hot64 +quantile0.5": B64.replace(sparse=SparsePolicy(64, "quantile", 0.5)),
-    "b64-hot64 +mass0.95": B64.replace(sparse=SparsePolicy(64, "mass", 0.95)),
+    "b64-hot64 +blocks-topk0.5": B64.replace(sparse=SparsePolicy(64, "blocks", "topk", 0.5)),
+    "b64-hot64 +tokens-mass0.99": B64.replace(sparse=SparsePolicy(64, "tokens", "mass", 0.99)),
+    "b64-hot64 +tokens-mass0.995": B64.replace(sparse=SparsePolicy(64, "tokens", "mass", 0.995)),
+    "b64-hot64 +tokens-quantile0.3": B64.replace(sparse=SparsePolicy(64, "tokens", "quantile", 0.3)),
 }
 GROUPS = {"first": CANDIDATES, "sparse": SPARSE}
 
@@ -77,14 +83,30 @@ def main() -> None:
             r = streamed_nll(model, w, cache_spec(pol.replace(name=name)))
             deltas[b] = 100 * (r.ppl / base[b].ppl - 1)
         ratio8k = plan("smollm2-135m", 8192, pol, 1, torch.float32).ratio
-        row = {"policy": name, "dppl_pct": deltas, "mean_dppl_pct": sum(deltas.values()) / len(deltas),
-               "bytes_vs_fp16_8k": ratio8k, "seconds": time.time() - t0}
+        row = {
+            "policy": name,
+            "dppl_pct": deltas,
+            "mean_dppl_pct": sum(deltas.values()) / len(deltas),
+            "bytes_vs_fp16_8k": ratio8k,
+            "seconds": time.time() - t0,
+        }
         rows.append(row)
-        print(f"{name:<34} dppl {row['mean_dppl_pct']:+6.2f}%  "
-              + " ".join(f"{b}:{d:+.2f}%" for b, d in deltas.items())
-              + f"  bytes@8k {ratio8k:.3f}", flush=True)
-    print(json.dumps({"length": args.length, "threads": args.threads, "full_ppl": {b: r.ppl for b, r in base.items()},
-                      "rows": rows}))
+        print(
+            f"{name:<34} dppl {row['mean_dppl_pct']:+6.2f}%  "
+            + " ".join(f"{b}:{d:+.2f}%" for b, d in deltas.items())
+            + f"  bytes@8k {ratio8k:.3f}",
+            flush=True,
+        )
+    print(
+        json.dumps(
+            {
+                "length": args.length,
+                "threads": args.threads,
+                "full_ppl": {b: r.ppl for b, r in base.items()},
+                "rows": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

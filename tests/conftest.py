@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import os
+
+# Triton kernels run on CPU tensors through Triton's interpreter (tests/test_triton.py). Triton reads
+# the flag when it is first imported, and importing transformers below already imports it (through
+# torch._dynamo), so it is set here, before anything else.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 
 def tiny_llama_config(**overrides) -> LlamaConfig:

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from kvtier import TierPolicy
-from kvtier.policy import SparsePolicy
 from kvtier.attention.mask import KVMask
 from kvtier.attention.partials import Partial, merge
 from kvtier.attention.reference import reference_attention
 from kvtier.attention.tiered import tiered_attention
 from kvtier.cache.layer import TieredLayer
+from kvtier.policy import SparsePolicy
 
 
 def build_layer(policy, B, H, D, chunks, pads, seed=0):
@@ -136,9 +136,9 @@ def test_low_precision_queries(dtype):
 
 
 SPARSE = [
-    SparsePolicy(local_window=6, method="topk", level=0.5),
-    SparsePolicy(local_window=0, method="quantile", level=0.3),
-    SparsePolicy(local_window=10, method="mass", level=0.9),
+    SparsePolicy(local_window=6, select="blocks", method="topk", level=0.5),
+    SparsePolicy(local_window=0, select="blocks", method="quantile", level=0.3),
+    SparsePolicy(local_window=10, select="blocks", method="mass", level=0.9),
 ]
 
 
@@ -155,7 +155,7 @@ def test_sparse_matches_reference_on_selected_blocks(sp, name, q, path):
     mask = mask_for(valid, q)
     fast = tiered_attention(layer, query, mask, 0.3)
     stats = layer.sparse_stats
-    assert stats.total > 0 and 0 <= stats.attended <= stats.total
+    assert stats.pairs > 0 and 0 <= stats.valued <= stats.pairs and stats.scored <= stats.pairs
     # reference on the same layer with the dropped blocks' tokens marked invalid
     import kvtier.attention.tiered as tiered
     from kvtier.attention.partials import to_rows
@@ -212,10 +212,89 @@ def _head_view(layer, kv):
 
 
 def test_sparse_skips_work_and_counts_it(path):
-    policy = POLICIES["int3 all"].replace(hot_tokens=8, block_tokens=8, sparse=SparsePolicy(4, "topk", 0.25))
+    policy = POLICIES["int3 all"].replace(hot_tokens=8, block_tokens=8, sparse=SparsePolicy(4, "blocks", "topk", 0.25))
     layer, valid = build_layer(policy, 1, 2, 16, [400, 1], [0])
     tiered_attention(layer, torch.randn(1, 2, 1, 16), mask_for(valid, 1), 0.25)  # one row per KV head
     s = layer.sparse_stats.to_dict()
     assert s["skipped_fraction"] > 0.6  # ~75% of ~49 warm blocks dropped, hot/sinks kept
-    assert s["tier_bytes_read"] < 0.4 * s["tier_bytes_total"]
-    assert s["pairs_computed"] < 0.45 * s["pairs_total"]
+    assert s["bytes_read"] < 0.4 * s["bytes_total"]
+    assert s["scored"] < 0.45 * s["pairs"]
+
+
+def test_select_tokens_mass_rule():
+    from kvtier.attention.sparse import select_tokens
+
+    # weights relative to max: 1, 1/2, 1/4 (x2), 1/1000, invalid
+    s = torch.log(torch.tensor([[1.0, 0.5, 0.25, 0.25, 1e-3, 1.0]]))
+    s[0, -1] = float("-inf")
+    keep = select_tokens(s, SparsePolicy(select="tokens", method="mass", level=0.8), None)
+    # cumulative bucket mass: 1 (40%), 1.5 (60%), 2 (80%) -> buckets 0..2 kept
+    assert keep.tolist() == [[True, True, True, True, False, False]]
+    keep = select_tokens(s, SparsePolicy(select="tokens", method="mass", level=0.5), None)
+    assert keep.tolist() == [[True, True, False, False, False, False]]
+    forced = torch.tensor([[False, False, False, False, True, True]])
+    keep = select_tokens(s, SparsePolicy(select="tokens", method="mass", level=0.5), forced)
+    assert keep.tolist() == [[True, True, False, False, True, False]]  # invalid never kept
+
+
+def test_select_tokens_quantile_rule():
+    from kvtier.attention.sparse import select_tokens
+
+    s = torch.tensor([[5.0, 1.0, 3.0, 2.0, 4.0, float("-inf")]])
+    keep = select_tokens(s, SparsePolicy(select="tokens", method="quantile", level=0.4), None)
+    assert keep.tolist() == [[True, False, False, False, True, False]]  # ceil(0.4 * 5) = 2 kept
+
+
+@pytest.mark.parametrize("method,level", [("mass", 0.9), ("quantile", 0.3)])
+@pytest.mark.parametrize("name", ["int4+sign", "int2+int3", "int6+rot"])
+def test_token_sparse_tier_matches_masked_reference(method, level, name, path):
+    """A tier's token-sparse partial equals: exact softmax over the decoded tier, value average
+    over the kept tokens only (renormalized), with the full log-sum-exp."""
+    from kvtier.attention.partials import kernel_partial, tier_partial, to_rows
+    from kvtier.attention.sparse import select_tokens
+
+    sp = SparsePolicy(local_window=0, select="tokens", method=method, level=level)
+    layer, _ = build_layer(POLICIES[name].replace(value_group_size=8), 2, 2, 16, [70, 30], [0, 9])
+    query = torch.randn(2, 6, 2, 16)
+    rows = to_rows(query, 2, 0.3)
+    for tier in (layer.cold, layer.warm):
+        if tier is None or not tier.nblocks:
+            continue
+        if path == "kernel":
+            start = layer.evicted + (layer.cold.ntokens if tier is layer.warm and layer.cold is not None else 0)
+            never = torch.full((rows.shape[2],), 10**9)
+            got = kernel_partial(rows, tier.fields, tier.codec, 16, select=(method, level, never, start))
+        else:
+            got = tier_partial(rows, tier.fields, tier.codec, 16, select=lambda f: select_tokens(f, sp, None))
+        k, v, valid = tier.dense(torch.float64)
+        scores = rows.double() @ k.transpose(-1, -2)
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        keep = select_tokens(scores.float(), sp, None)
+        p = torch.softmax(scores, -1) * keep
+        ref = (p @ v) / p.sum(-1, keepdim=True)
+        assert torch.allclose(got.out.double(), ref, atol=1e-4)
+        assert torch.allclose(got.lse.double(), torch.logsumexp(scores, -1), atol=1e-4)
+
+
+@pytest.mark.parametrize("method,level", [("mass", 0.95), ("quantile", 0.4)])
+@pytest.mark.parametrize("name", ["int4+sign", "int3 all"])
+def test_token_sparse_kernel_equals_torch_path(method, level, name, monkeypatch):
+    """Whole-layer token-sparse attention (local window forced) is the same through the kernel
+    and through torch ops, and both count the same work."""
+    import kvtier.attention.partials as partials
+    from kvtier.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip("CPU kernel could not be built here")
+    policy = POLICIES[name].replace(value_group_size=8, sparse=SparsePolicy(12, "tokens", method, level))
+    results = {}
+    for p in ("torch", "kernel"):
+        monkeypatch.setattr(partials, "KERNEL_MAX_ROWS", 10**6 if p == "kernel" else -1)
+        layer, valid = build_layer(policy, 2, 2, 16, [90, 17, 1], [0, 21])
+        out = tiered_attention(
+            layer, torch.randn(2, 6, 1, 16, generator=torch.Generator().manual_seed(3)), mask_for(valid, 1), 0.3
+        )
+        results[p] = (out, layer.sparse_stats.to_dict())
+    assert (results["torch"][0] - results["kernel"][0]).abs().max() < 1e-4
+    assert results["torch"][1] == results["kernel"][1]
+    assert results["kernel"][1]["value_skipped_fraction"] > 0

@@ -172,12 +172,12 @@ def _setup(args: argparse.Namespace):
     return model, tok, texts, specs
 
 
-def _finish(kind: str, rows: list, config: dict, args: argparse.Namespace) -> int:
+def _finish(kind: str, rows: list, config: dict, args: argparse.Namespace, out: str | None = None) -> int:
     from .eval.plots import plots_for
     from .eval.results import make_results, save
 
     doc = make_results(kind, rows, config)
-    out = Path(args.out or f"results/{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = Path(out or args.out or f"results/{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     save(doc, out)
     pngs = [] if args.no_plots else plots_for(doc, out.with_suffix(""))
     print(f"wrote {out}" + "".join(f", {p}" for p in pngs), file=sys.stderr)
@@ -210,6 +210,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         keys = ["cache", "context", "depth", "correct", "total"]
     _print_rows(rows, keys)
     status = _finish(args.task, rows, config, args)
+    if args.task == "ppl" and args.fidelity_out:  # the same lockstep run scored fidelity too
+        _finish("fidelity", fid_rows, config, args, out=args.fidelity_out)
     print(json.dumps({"kind": args.task, "rows": rows}))
     return status
 
@@ -300,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             t.add_argument("--chunk", type=_positive, default=64)
             t.add_argument("--windows", type=_positive, default=1, help="windows per text and context")
+            if task == "ppl":
+                t.add_argument("--fidelity-out", help="also write the fidelity results of the same run here")
         t.set_defaults(fn=cmd_eval)
 
     b = sub.add_parser("bench", help="decode tokens/s, prefill time, KV bytes, peak RSS")

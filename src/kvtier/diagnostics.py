@@ -107,37 +107,48 @@ class MemoryReport:
 
 @dataclass
 class SparseStats:
-    """Attention work of a layer, in (query row, key token) pairs; each pair costs ``2 D`` FLOPs
-    for its score and ``2 D`` for its value. ``attended`` counts what each row reads after
-    selection; ``computed`` what was actually evaluated (the union of a head's rows, plus block
-    scores); ``bytes_*`` the tier bytes a dense pass would read and those gathered."""
+    """Attention work of a layer. A (query row, key token) *pair* costs ``2 D`` FLOPs for its
+    score and ``2 D`` for its value (one unit each); a block bound costs about one unit.
+    ``pairs`` counts the pairs a dense pass evaluates (every real token, every row); ``scored`` and
+    ``valued`` what was actually evaluated; ``bytes_*`` the tier bytes a dense pass reads and
+    those read (sinks and hot tokens are counted as always attended)."""
 
-    total: int = 0
-    attended: int = 0
-    computed: int = 0
+    pairs: int = 0
+    scored: int = 0
+    valued: int = 0
+    bounds: int = 0
     bytes_total: int = 0
     bytes_read: int = 0
     calls: int = 0
-    by_phase: dict = field(default_factory=dict)
 
     def add(self, other: SparseStats) -> None:
-        for name in ("total", "attended", "computed", "bytes_total", "bytes_read", "calls"):
+        for name in ("pairs", "scored", "valued", "bounds", "bytes_total", "bytes_read", "calls"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def dense(self, pairs: int, nbytes: int = 0) -> None:
+        """Account work done without selection (sinks, hot)."""
+        self.pairs += pairs
+        self.scored += pairs
+        self.valued += pairs
+        self.bytes_total += nbytes
+        self.bytes_read += nbytes
 
     @property
     def skipped(self) -> float:
-        """Fraction of attention work skipped by selection."""
-        return 1 - self.attended / self.total if self.total else 0.0
+        """Fraction of attention work (score + value FLOPs, bounds included) skipped."""
+        return 1 - (self.scored + self.valued + self.bounds) / (2 * self.pairs) if self.pairs else 0.0
 
     def to_dict(self) -> dict:
         return {
-            "pairs_total": self.total,
-            "pairs_attended": self.attended,
-            "pairs_computed": self.computed,
+            "pairs": self.pairs,
+            "scored": self.scored,
+            "valued": self.valued,
+            "bounds": self.bounds,
             "skipped_fraction": self.skipped,
-            "computed_fraction": self.computed / self.total if self.total else 1.0,
-            "tier_bytes_total": self.bytes_total,
-            "tier_bytes_read": self.bytes_read,
+            "value_skipped_fraction": 1 - self.valued / self.pairs if self.pairs else 0.0,
+            "bytes_total": self.bytes_total,
+            "bytes_read": self.bytes_read,
+            "bytes_skipped_fraction": 1 - self.bytes_read / self.bytes_total if self.bytes_total else 0.0,
             "calls": self.calls,
         }
 

@@ -29,6 +29,7 @@ class Partial:
 
     out: torch.Tensor
     lse: torch.Tensor
+    counts: torch.Tensor | None = None  # kernel work counts, see kvtier.kernels.cpu.packed_attention
 
 
 def to_rows(query: torch.Tensor, kv_heads: int, scaling: float) -> torch.Tensor:
@@ -139,19 +140,34 @@ def _per_group(p: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
     return (p @ x.float()).repeat_interleave(dim // NG, dim=-1)
 
 
-def _block_softmax(scores: torch.Tensor, valid: torch.Tensor, block_mask: torch.Tensor | None):
-    """Softmax over all tokens of all blocks: ``scores [B,H,n,R,T]`` -> ``p`` (same shape), ``lse [B,H,R]``."""
+def _block_softmax(scores: torch.Tensor, valid: torch.Tensor, block_mask: torch.Tensor | None, select=None):
+    """Softmax over all tokens of all blocks: ``scores [B,H,n,R,T]`` -> ``p`` (same shape), ``lse [B,H,R]``.
+
+    ``select``, if given, maps the masked flat scores ``[B,H,R,n*T]`` to the tokens whose value
+    work is done; the others get weight 0 and the kept weights are renormalized (``lse`` stays the
+    log of the full mass, so merging across tiers weighs this tier correctly).
+    """
     valid = valid.unsqueeze(3)  # [B,1,n,1,T]
     if block_mask is not None:
         valid = valid & block_mask.permute(0, 1, 3, 2).unsqueeze(-1)
     scores = scores.masked_fill(~valid, NEG_INF)
     B, H, n, R, T = scores.shape
-    p, lse = _softmax_parts(scores.permute(0, 1, 3, 2, 4).reshape(B, H, R, n * T))
+    flat = scores.permute(0, 1, 3, 2, 4).reshape(B, H, R, n * T)
+    p, lse = _softmax_parts(flat)
+    if select is not None:
+        p = p * select(flat)
+        total = p.sum(-1, keepdim=True)
+        p = p / torch.where(total > 0, total, torch.ones_like(total))
     return p.reshape(B, H, R, n, T).permute(0, 1, 3, 2, 4), lse
 
 
 def kbit_partial(
-    rows: torch.Tensor, fields: dict[str, torch.Tensor], codec: KBitCodec, dim: int, block_mask: torch.Tensor | None
+    rows: torch.Tensor,
+    fields: dict[str, torch.Tensor],
+    codec: KBitCodec,
+    dim: int,
+    block_mask: torch.Tensor | None,
+    select=None,
 ) -> Partial:
     """Attention over a k-bit tier without dequantizing it.
 
@@ -161,20 +177,26 @@ def kbit_partial(
     fields : the tier's tensors (``k_codes [B,H,n,T,P]``, ``k_scale/k_zero [B,H,n,1,D]``,
         ``v_codes``, ``v_scale/v_zero [B,H,n,T,D/G]``, ``valid [B,1,n,T]``).
     block_mask : optional bool ``[B, H, R, n]``: blocks each row may read (sparse selection).
+    select : optional token selection on exact scores (see :func:`_block_softmax`).
     """
     ks = fields["k_scale"].float()  # [B,H,n,1,D]
     qs = _pad_channels(rows.unsqueeze(2) * ks, dim)  # [B,H,n,R,Dp]
     scores = -(rows.unsqueeze(2) * ks * fields["k_zero"].float()).sum(-1, keepdim=True)  # [B,H,n,R,1]
     for weight, sl, sub in _subplanes(fields["k_codes"], codec.bits, dim):
         scores = scores + weight * (qs[..., sl] @ sub.transpose(-1, -2))  # [B,H,n,R,T]
-    p, lse = _block_softmax(scores, fields["valid"], block_mask)
+    p, lse = _block_softmax(scores, fields["valid"], block_mask, select)
     vs, vz = fields["v_scale"], fields["v_zero"]
     out = _weighted_codes(p, fields["v_codes"], codec.bits, vs, dim) - _per_group(p, vz.float() * vs.float(), dim)
     return Partial(out.sum(2), lse)
 
 
 def sign_partial(
-    rows: torch.Tensor, fields: dict[str, torch.Tensor], codec: SignCodec, dim: int, block_mask: torch.Tensor | None
+    rows: torch.Tensor,
+    fields: dict[str, torch.Tensor],
+    codec: SignCodec,
+    dim: int,
+    block_mask: torch.Tensor | None,
+    select=None,
 ) -> Partial:
     """Attention over a 1-bit tier: ``x = mean + scale * (2 b - 1)``, read bit slice by bit slice."""
     r = rotation(dim, rows.device) if codec.rotate else None
@@ -185,7 +207,7 @@ def sign_partial(
     scores = (q.unsqueeze(2) * (km - ks)).sum(-1, keepdim=True)  # [B,H,n,R,1]
     for _, sl, sub in _subplanes(fields["k_signs"], 1, dim):
         scores = scores + 2.0 * (qs[..., sl] @ sub.transpose(-1, -2))
-    p, lse = _block_softmax(scores, fields["valid"], block_mask)
+    p, lse = _block_softmax(scores, fields["valid"], block_mask, select)
     vs, vm = fields["v_scale"], fields["v_mean"]
     out = 2.0 * _weighted_codes(p, fields["v_signs"], 1, vs, dim) + _per_group(p, vm.float() - vs.float(), dim)
     out = out.sum(2)
@@ -217,30 +239,44 @@ def kernel_partial(
     dim: int,
     blocks: torch.Tensor | None = None,
     row_mask: torch.Tensor | None = None,
+    select: tuple | None = None,
 ) -> Partial:
-    """The fused CPU kernel over a tier (all blocks, or the ``blocks [B,H,k]`` listed)."""
+    """The fused kernel over a tier (all blocks, or the ``blocks [B,H,k]`` listed): C++ on CPU, Triton on CUDA.
+
+    ``select`` (CPU kernel only) is token selection, see :func:`kvtier.kernels.cpu.packed_attention`.
+    """
+    if rows.is_cuda:
+        from ..kernels import dispatch
+
+        return Partial(*dispatch.gpu_partial(rows, fields, codec, dim, blocks, row_mask))
     from ..kernels import cpu
 
     ka, kb, va, vb, kc, vc = affine(fields, codec)
     bits = codec.bits if isinstance(codec, KBitCodec) else 1
     r = rotation(dim, rows.device) if isinstance(codec, SignCodec) and codec.rotate else None
     q = rows @ r if r is not None else rows
-    out, lse = cpu.packed_attention(q, kc, ka, kb, vc, va, vb, fields["valid"].squeeze(1), bits, dim, blocks, row_mask)
-    return Partial(out @ r.T if r is not None else out, lse)
+    out, lse, counts = cpu.packed_attention(
+        q, kc, ka, kb, vc, va, vb, fields["valid"].squeeze(1), bits, dim, blocks, row_mask, select
+    )
+    return Partial(out @ r.T if r is not None else out, lse, counts)
 
 
 def use_kernel(rows: torch.Tensor) -> bool:
-    if not rows.is_cpu or rows.shape[2] > KERNEL_MAX_ROWS:
+    if not (rows.is_cpu or rows.is_cuda) or rows.shape[2] > KERNEL_MAX_ROWS:
         return False
+    if rows.is_cuda:  # Triton, imported lazily
+        from ..kernels import dispatch
+
+        return dispatch.available()
     from ..kernels import cpu
 
     return cpu.available()
 
 
-def tier_partial(rows, fields, codec, dim, block_mask=None) -> Partial:
+def tier_partial(rows, fields, codec, dim, block_mask=None, select=None) -> Partial:
     """Attention over a whole tier: the fused kernel where it applies, else batched torch ops."""
-    if block_mask is None and use_kernel(rows):
+    if block_mask is None and select is None and use_kernel(rows):
         return kernel_partial(rows, fields, codec, dim)
     if isinstance(codec, KBitCodec):
-        return kbit_partial(rows, fields, codec, dim, block_mask)
-    return sign_partial(rows, fields, codec, dim, block_mask)
+        return kbit_partial(rows, fields, codec, dim, block_mask, select)
+    return sign_partial(rows, fields, codec, dim, block_mask, select)

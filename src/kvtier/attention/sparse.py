@@ -70,6 +70,39 @@ def select_blocks(bounds: torch.Tensor, policy: SparsePolicy, forced: torch.Tens
     return (keep | forced) & finite
 
 
+LN2 = math.log(2.0)
+#: Weight buckets of the token mass rule: bucket k holds weights in (2^-(k+1), 2^-k] of the row max.
+BUCKETS = 64
+
+
+def select_tokens(scores: torch.Tensor, policy: SparsePolicy, forced: torch.Tensor | None) -> torch.Tensor:
+    """bool ``[..., N]``: tokens whose value work is done, from exact scores (-inf = invalid).
+
+    ``mass``: with ``k = floor((max - s) / ln 2)`` (capped at 63), keep buckets ``0..K`` where
+    ``K`` is the first bucket at which the cumulative softmax mass reaches ``level``.
+    ``quantile``: keep the ``ceil(level * n_valid)`` highest scores (ties kept).
+    ``forced`` tokens (local window) are always kept.
+    """
+    finite = torch.isfinite(scores)
+    if policy.method == "mass":
+        m = scores.amax(-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        w = torch.exp(scores - m)  # 0 where invalid
+        k = ((m - scores) / LN2).floor().clamp(0, BUCKETS - 1).nan_to_num(BUCKETS - 1).long()
+        mass = torch.zeros(*scores.shape[:-1], BUCKETS, device=scores.device).scatter_add_(-1, k, w)
+        cum = mass.cumsum(-1)
+        kstar = (cum < policy.level * cum[..., -1:]).sum(-1, keepdim=True)
+        keep = k <= kstar
+    else:  # quantile
+        n_valid = finite.sum(-1, keepdim=True)
+        rank = (policy.level * n_valid).ceil().long().clamp(min=1) - 1
+        ordered = scores.sort(dim=-1, descending=True).values
+        keep = scores >= ordered.gather(-1, rank.clamp(max=scores.shape[-1] - 1))
+    if forced is not None:
+        keep = keep | forced
+    return keep & finite
+
+
 def union_blocks(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The union of kept blocks per (batch, head), in CSR-like padded form.
 

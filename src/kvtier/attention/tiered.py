@@ -13,7 +13,7 @@ from ..diagnostics import SparseStats
 from .mask import KVMask
 from .partials import Partial, exact_partial, from_rows, kernel_partial, merge, tier_partial, to_rows, use_kernel
 from .reference import reference_attention
-from .sparse import block_bounds, gather_fields, select_blocks, union_blocks
+from .sparse import block_bounds, gather_fields, select_blocks, select_tokens, union_blocks
 
 #: Max score elements (rows x tokens) per pass; longer query chunks are split.
 SCORE_BUDGET = 1 << 23
@@ -35,46 +35,92 @@ def _attend(layer: TieredLayer, query: torch.Tensor, q_pos: torch.Tensor, paddin
     H = layer.kv_heads
     rows = to_rows(query, H, scaling)
     R = rows.shape[2]
+    sp = layer.policy.sparse
+    stats = SparseStats(calls=1) if sp is not None else None
     parts: list[Partial] = []
-    stats = SparseStats(calls=1) if layer.policy.sparse is not None else None
     if layer.sinks.k is not None:
         sink_valid = layer.sinks.valid()
         parts.append(exact_partial(rows, layer.sinks.k, layer.sinks.v, sink_valid[:, None, None, :]))
         if stats is not None:
-            n = int(sink_valid.sum()) * H * R
-            stats.total += n
-            stats.attended += n
-            stats.computed += n
+            stats.dense(int(sink_valid.sum()) * H * R)
     tiers = [t for t in (layer.cold, layer.warm) if t is not None and t.nblocks]
-    if stats is not None and tiers:
-        parts += _sparse_parts(layer, rows, q_pos.repeat(Hq // H), tiers, stats)
+    row_pos = q_pos.repeat(Hq // H)  # position of each row
+    if sp is not None and sp.select == "blocks" and tiers:
+        parts += _block_sparse_parts(layer, rows, row_pos, tiers, stats)
+    elif sp is not None and tiers:
+        parts += _token_sparse_parts(layer, rows, row_pos, tiers, stats)
     else:
         parts += [tier_partial(rows, t.fields, t.codec, D) for t in tiers]
     hk, hv = layer.hot.view()
     allowed = _hot_allowed(layer, q_pos, padding, Hq // H)
     parts.append(exact_partial(rows, hk, hv, allowed))
     if stats is not None:
-        n = int(allowed.sum()) * H * (B if allowed.shape[0] == 1 else 1)
-        stats.total += n
-        stats.attended += n
-        stats.computed += n
+        stats.dense(int(allowed.sum()) * H * (B if allowed.shape[0] == 1 else 1))
         layer.sparse_stats.add(stats)
     return from_rows(merge(parts), Hq, q)
 
 
-def _sparse_parts(layer: TieredLayer, rows: torch.Tensor, row_pos: torch.Tensor, tiers, stats: SparseStats):
-    """Partials over the blocks each row selects (see :mod:`kvtier.attention.sparse`)."""
+def _tier_starts(layer: TieredLayer, tiers) -> list[int]:
+    """Index of each tier's first token slot (cold, then warm: consecutive ranges)."""
+    starts, start = [], layer.evicted
+    for t in tiers:
+        starts.append(start)
+        start += t.ntokens
+    return starts
+
+
+def _value_bytes_per_token(t, D: int) -> float:
+    """Bytes a tier holds per token for values (codes + per-token scale metadata)."""
+    return (t.codec.nbytes(1, 1, 1, t.block_tokens, D) - t.codec.nbytes(1, 1, 1, 0, D)) / 2 / t.block_tokens
+
+
+def _token_sparse_parts(layer: TieredLayer, rows: torch.Tensor, row_pos: torch.Tensor, tiers, stats: SparseStats):
+    """Exact scores from the packed keys; value work only for tokens passing the row's threshold."""
+    sp = layer.policy.sparse
+    T = layer.policy.block_tokens
+    B, H, R, D = rows.shape
+    parts = []
+    for t, start in zip(tiers, _tier_starts(layer, tiers)):
+        total = t.codec.nbytes(B, H, t.nblocks, T, D)
+        vbytes = _value_bytes_per_token(t, D)
+        real_tokens = int(t.fields["valid"].sum()) * H
+        if use_kernel(rows) and rows.is_cpu:
+            forced_from = row_pos - sp.local_window + 1
+            part = kernel_partial(rows, t.fields, t.codec, D, select=(sp.method, sp.level, forced_from, start))
+            scored, valued, read_tokens = (int(x) for x in part.counts.sum(0))
+        else:
+            pos = start + torch.arange(t.ntokens, device=rows.device)
+            forced = pos[None, None, None, :] > (row_pos - sp.local_window)[None, None, :, None]
+            kept = {}
+
+            def select(flat, forced=forced, kept=kept):
+                keep = select_tokens(flat, sp, forced)
+                kept["keep"], kept["valid"] = keep, torch.isfinite(flat)
+                return keep
+
+            part = tier_partial(rows, t.fields, t.codec, D, select=select)
+            scored, valued = int(kept["valid"].sum()), int(kept["keep"].sum())
+            read_tokens = int(kept["keep"].any(2).sum())
+        parts.append(part)
+        stats.pairs += scored
+        stats.scored += scored
+        stats.valued += valued
+        stats.bytes_total += total
+        stats.bytes_read += int(total - (real_tokens - read_tokens) * vbytes)
+    return parts
+
+
+def _block_sparse_parts(layer: TieredLayer, rows: torch.Tensor, row_pos: torch.Tensor, tiers, stats: SparseStats):
+    """Partials over the blocks each row selects by Quest bounds (see :mod:`kvtier.attention.sparse`)."""
     sp = layer.policy.sparse
     T = layer.policy.block_tokens
     D = rows.shape[-1]
     B, H, R, _ = rows.shape
-    start = layer.evicted  # cold blocks first, then warm: consecutive token ranges
     bounds, ends, sizes = [], [], []
-    for t in tiers:
+    for t, start in zip(tiers, _tier_starts(layer, tiers)):
         bounds.append(block_bounds(rows, t))
         ends.append(start + T * torch.arange(1, t.nblocks + 1, device=rows.device))
         sizes.append(t.nblocks)
-        start += t.ntokens
     forced = torch.cat(ends)[None, None, None, :] > (row_pos - sp.local_window)[None, None, :, None]
     keep = select_blocks(torch.cat(bounds, dim=-1), sp, forced, T)
     parts = []
@@ -87,9 +133,11 @@ def _sparse_parts(layer: TieredLayer, rows: torch.Tensor, row_pos: torch.Tensor,
             parts.append(tier_partial(rows, gather_fields(t.fields, blocks), t.codec, D, row_mask))
         per_block = t.fields["valid"].sum(-1)  # [B,1,n] real tokens per block
         listed = per_block.expand(B, H, -1).gather(-1, blocks.clamp(min=0)) * (blocks >= 0)
-        stats.total += int(per_block.sum()) * H * R
-        stats.attended += int((keep_t * per_block.unsqueeze(2)).sum())
-        stats.computed += int(listed.sum()) * R + B * H * R * t.nblocks  # gathered pairs + bounds
+        attended = int((keep_t * per_block.unsqueeze(2)).sum())
+        stats.pairs += int(per_block.sum()) * H * R
+        stats.scored += int(listed.sum()) * R  # the kernel scores the union of a head's rows
+        stats.valued += attended
+        stats.bounds += B * H * R * t.nblocks
         stats.bytes_total += t.codec.nbytes(B, H, t.nblocks, T, D)
         stats.bytes_read += t.codec.nbytes(B, H, k, T, D)
     return parts

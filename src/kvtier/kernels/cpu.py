@@ -25,7 +25,9 @@ import torch
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -78,7 +80,8 @@ std::vector<Term> make_terms(int64_t bits, int64_t dim, int64_t group) {
 std::vector<torch::Tensor> packed_attention(
     torch::Tensor rows, torch::Tensor k_codes, torch::Tensor k_a, torch::Tensor k_b,
     torch::Tensor v_codes, torch::Tensor v_a, torch::Tensor v_b, torch::Tensor valid,
-    torch::Tensor blocks, torch::Tensor row_mask, int64_t bits, int64_t dim) {
+    torch::Tensor blocks, torch::Tensor row_mask, int64_t bits, int64_t dim,
+    int64_t sel_method, double sel_level, torch::Tensor forced_from, int64_t tier_start) {
   TORCH_CHECK(rows.dtype() == torch::kFloat32 && rows.is_contiguous(), "rows: contiguous float32");
   const int64_t B = rows.size(0), H = rows.size(1), R = rows.size(2), D = rows.size(3);
   TORCH_CHECK(D == dim, "rows last axis must be dim");
@@ -93,6 +96,11 @@ std::vector<torch::Tensor> packed_attention(
 
   auto out = torch::zeros({B, H, R, D}, rows.options());
   auto lse = torch::empty({B, H, R}, rows.options());
+  // per (b, h): pairs scored, pairs valued, tokens whose value bytes were read
+  auto counts = torch::zeros({B * H, 3}, torch::kInt64);
+  int64_t* cnt = counts.data_ptr<int64_t>();
+  const int64_t* ff = sel_method ? forced_from.data_ptr<int64_t>() : nullptr;
+  const float LN2 = std::log(2.0f);
   const float* q = rows.data_ptr<float>();
   const uint8_t* kc = k_codes.data_ptr<uint8_t>();
   const uint8_t* vc = v_codes.data_ptr<uint8_t>();
@@ -109,6 +117,8 @@ std::vector<torch::Tensor> packed_attention(
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sc(R * K * T), qs(R * npos), bias(R), vacc(R * npos), zacc(R * NG), tot(R);
+    std::vector<float> tmp;
+    std::vector<uint8_t> read_tok(K * T);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H;
       const float* qb = q + bh * R * D;
@@ -156,21 +166,69 @@ std::vector<torch::Tensor> packed_attention(
           }
         }
       }
-      // softmax (unnormalized probabilities kept in sc)
+      // softmax (unnormalized probabilities kept in sc); optional token selection
+      std::fill(read_tok.begin(), read_tok.end(), 0);
       for (int64_t r = 0; r < R; ++r) {
         float* row = sc.data() + r * K * T;
         float m = NEG;
-        for (int64_t x = 0; x < K * T; ++x) m = std::max(m, row[x]);
+        int64_t nvalid = 0;
+        for (int64_t x = 0; x < K * T; ++x) {
+          m = std::max(m, row[x]);
+          nvalid += row[x] != NEG;
+        }
+        cnt[bh * 3 + 0] += nvalid;
         if (m == NEG) { tot[r] = 0.f; ls[bh * R + r] = NEG; std::fill(row, row + K * T, 0.f); continue; }
         float sum = 0.f;
+        float thr = NEG;  // quantile: keep scores >= thr
+        int64_t kstar = 64;  // mass: keep buckets <= kstar
+        if (sel_method == 2) {
+          tmp.clear();
+          for (int64_t x = 0; x < K * T; ++x) if (row[x] != NEG) tmp.push_back(row[x]);
+          int64_t rank = std::max<int64_t>(1, (int64_t)std::ceil(sel_level * (double)nvalid)) - 1;
+          rank = std::min<int64_t>(rank, nvalid - 1);
+          std::nth_element(tmp.begin(), tmp.begin() + rank, tmp.end(), std::greater<float>());
+          thr = tmp[rank];
+        }
+        float bucket[64] = {0.f};
         for (int64_t x = 0; x < K * T; ++x) {
-          const float e = row[x] == NEG ? 0.f : std::exp(row[x] - m);
-          row[x] = e;
+          const float s = row[x];
+          const float e = s == NEG ? 0.f : std::exp(s - m);
+          if (sel_method == 1 && s != NEG) {
+            const int64_t k = std::min<int64_t>(63, (int64_t)std::floor((m - s) / LN2));
+            bucket[k] += e;
+          }
           sum += e;
         }
-        tot[r] = sum;
+        if (sel_method == 1) {
+          float cum = 0.f;
+          kstar = 0;
+          for (; kstar < 63; ++kstar) {
+            cum += bucket[kstar];
+            if (cum >= (float)sel_level * sum) break;
+          }
+        }
+        float kept = 0.f;
+        for (int64_t x = 0; x < K * T; ++x) {
+          const float s = row[x];
+          if (s == NEG) { row[x] = 0.f; continue; }
+          bool keep = true;
+          if (sel_method) {
+            const int64_t s_idx = x / T, blk = block_of(s_idx);
+            const int64_t pos = tier_start + blk * T + x % T;
+            const bool forced = pos >= ff[r];
+            if (sel_method == 1) keep = std::min<int64_t>(63, (int64_t)std::floor((m - s) / LN2)) <= kstar;
+            else keep = s >= thr;
+            keep = keep || forced;
+          }
+          const float e = keep ? std::exp(s - m) : 0.f;
+          row[x] = e;
+          kept += e;
+          if (keep) { read_tok[x] = 1; cnt[bh * 3 + 1] += 1; }
+        }
+        tot[r] = kept;
         ls[bh * R + r] = m + std::log(sum);
       }
+      for (int64_t x = 0; x < K * T; ++x) cnt[bh * 3 + 2] += read_tok[x];
       // values
       std::fill(vacc.begin(), vacc.end(), 0.f);
       std::fill(zacc.begin(), zacc.end(), 0.f);
@@ -217,7 +275,7 @@ std::vector<torch::Tensor> packed_attention(
       }
     }
   });
-  return {out, lse};
+  return {out, lse, counts};
 }
 """
 
@@ -227,7 +285,7 @@ def _module():
     from torch.utils.cpp_extension import load_inline
 
     return load_inline(
-        name="kvtier_cpu_v1",
+        name="kvtier_cpu_v2",
         cpp_sources=[_SOURCE],
         functions=["packed_attention"],
         extra_cflags=["-O3", "-march=native"],
@@ -259,7 +317,8 @@ def packed_attention(
     dim: int,
     blocks: torch.Tensor | None = None,
     row_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    select: tuple[str, float, torch.Tensor, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention of ``rows [B,H,R,D]`` (fp32, scaled) over a packed tier.
 
     Parameters
@@ -270,10 +329,16 @@ def packed_attention(
     valid : bool ``[B,n,T]``.
     blocks : int64 ``[B,H,k]`` block ids to read (-1 = none), or None for all.
     row_mask : bool ``[B,H,R,k]`` blocks each row may read, or None.
+    select : token selection on the exact scores, ``(method, level, forced_from, tier_start)``:
+        ``method`` ``"mass"`` or ``"quantile"`` (rules of :func:`kvtier.attention.sparse.select_tokens`),
+        ``forced_from`` int64 ``[R]`` (tokens at index >= it are always kept), ``tier_start`` the
+        index of the tier's first token slot. Dropped tokens cost no value work; kept weights are
+        renormalized while ``lse`` covers the full mass.
 
     Returns
     -------
-    ``out [B,H,R,D]`` (normalized) and ``lse [B,H,R]``, fp32.
+    ``out [B,H,R,D]`` (normalized), ``lse [B,H,R]`` (fp32), and ``counts`` int64 ``[B*H, 3]``:
+    pairs scored, pairs whose value was accumulated, tokens whose value bytes were read.
     """
     empty_l = torch.empty(0, dtype=torch.long)
     empty_b = torch.empty(0, dtype=torch.bool)
@@ -291,5 +356,9 @@ def packed_attention(
             empty_b if row_mask is None else row_mask.contiguous(),
             bits,
             dim,
+            0 if select is None else {"mass": 1, "quantile": 2}[select[0]],
+            1.0 if select is None else float(select[1]),
+            empty_l if select is None else select[2].to(torch.long).contiguous(),
+            0 if select is None else int(select[3]),
         )
     )
