@@ -108,3 +108,15 @@ def test_report_rejects_bad_file(tmp_path, capsys):
     bad.write_text(json.dumps({"schema": "other"}))
     assert main(["report", str(bad), "-o", str(tmp_path / "r.md")]) == 2
     assert "results lack" in capsys.readouterr().err
+
+
+@pytest.mark.model
+@needs_model
+def test_demo_smoke(capsys):
+    assert main(["demo", "--tokens", "400", "--ppl-tokens", "200", "--new-tokens", "4", "--threads", "2"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    data = json.loads(out[-1])
+    assert [r["cache"] for r in data["rows"]] == ["dynamic", "default"]
+    full, tiered = data["rows"]
+    assert tiered["kv_bytes"] < full["kv_bytes"] and tiered["ppl"] > 0 and full["decode_tok_s"] > 0
+    assert any("less KV memory" in line for line in out)

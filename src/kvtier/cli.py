@@ -62,68 +62,80 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 # --- demo -------------------------------------------------------------------------------------
-def _dynamic_bytes(cache: Any) -> int:
-    from .diagnostics import tensor_bytes
+@torch.no_grad()
+def _demo_run(model, tok, spec, ids: torch.Tensor, new_tokens: int) -> dict:
+    """Prefill ``ids[:, :-1]`` in chunks, then decode greedily from the last prompt token (timed apart)."""
+    from .eval.caches import kv_bytes
 
-    return tensor_bytes(t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+    cache = spec.build(model)
+    with spec.context(model):
+        t0 = time.perf_counter()
+        for s in range(0, ids.shape[1] - 1, 512):
+            model(ids[:, s : min(s + 512, ids.shape[1] - 1)], cache=cache, use_cache=True, logits_to_keep=1)
+        t1 = time.perf_counter()
+        nxt, out = ids[:, -1:], []
+        for _ in range(new_tokens):
+            nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            out.append(int(nxt))
+            if out[-1] == tok.eos_token_id:
+                break
+        t2 = time.perf_counter()
+    return {
+        "cache": spec.name,
+        "prefill_s": t1 - t0,
+        "decode_tok_s": len(out) / (t2 - t1),
+        "kv_bytes": kv_bytes(cache),
+        "answer": tok.decode(out, skip_special_tokens=True).strip(),
+    }
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from transformers import DynamicCache
-
-    from . import TieredCache, enable
+    from .eval.caches import cache_spec
+    from .eval.perplexity import book_windows, stream_compare
     from .eval.recall import build_case, is_correct
+    from .eval.run import dense_fp16_bytes
     from .eval.texts import load_texts
     from .models import load_model
 
     torch.set_num_threads(args.threads)
     print(f"loading {args.model} (offline) ...", flush=True)
     model, tok = load_model(args.model)
-    texts = load_texts(args.text, limit=1)
-    name, text = next(iter(texts.items()))
+    name, text = next(iter(load_texts(args.text, limit=1).items()))
     case = build_case(tok, text, args.tokens, args.depth, seed=args.seed)
     n = case.input_ids.shape[1]
-    print(f"prompt: {n} tokens from {name!r}, secret number planted at {case.depth:.0%} depth", flush=True)
+    print(f"recall prompt: {n} tokens from {name!r}, a secret number planted at {case.depth:.0%} depth", flush=True)
+    specs = [cache_spec("dynamic"), cache_spec(args.policy)]
     rows = []
-    for label in ("full", args.policy):
-        if label == "full":
-            cache: Any = DynamicCache(config=model.config)
-            ctx = None
-        else:
-            cache = TieredCache(model.config, label)
-            ctx = enable(model)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(case.input_ids, max_new_tokens=args.new_tokens, do_sample=False, cache=cache)
-        elapsed = time.perf_counter() - t0
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
-        answer = tok.decode(out[0, n:], skip_special_tokens=True).strip()
-        if label == "full":
-            nbytes, fp16 = _dynamic_bytes(cache), None
-        else:
-            report = cache.memory_report()
-            nbytes, fp16 = report.total_bytes, report.dense_fp16_bytes
-        rows.append(
-            {
-                "cache": label,
-                "kv_bytes": nbytes,
-                "fp16_bytes": fp16,
-                "seconds": elapsed,
-                "answer": answer,
-                "correct": is_correct(answer, case.key),
-            }
-        )
-    fp16 = rows[1]["fp16_bytes"]
+    for spec in specs:
+        print(f"  answering with the {spec.name} cache ...", flush=True)
+        row = _demo_run(model, tok, spec, case.input_ids, args.new_tokens)
+        row["correct"] = is_correct(row["answer"], case.key)
+        rows.append(row)
+    window = book_windows(tok, text, args.ppl_tokens, offset_tokens=4000)[0]
+    print(f"  streamed perplexity over {args.ppl_tokens} tokens (chunks of 64) ...", flush=True)
+    scores = stream_compare(model, window, specs[1:], chunk=64)
+    fp16 = dense_fp16_bytes(model, n - 1 + args.new_tokens)
+    for row in rows:
+        row["ppl"] = scores[row["cache"]].ppl
+        row["kl"] = scores[row["cache"]].mean_kl
     print()
-    print(f"{'cache':<16}{'KV MiB':>9}{'vs fp16':>9}{'vs full':>9}{'time s':>8}  answer (key {case.key})")
+    print(
+        f"{'cache':<10}{'KV MiB':>8}{'vs fp16':>9}{'vs full':>9}{'prefill s':>10}{'decode tok/s':>13}"
+        f"{'ppl':>8}  answer (key {case.key})"
+    )
     for r in rows:
         print(
-            f"{r['cache']:<16}{r['kv_bytes'] / 2**20:>9.2f}{r['kv_bytes'] / fp16:>9.3f}"
-            f"{r['kv_bytes'] / rows[0]['kv_bytes']:>9.3f}{r['seconds']:>8.1f}  "
-            f"{'OK ' if r['correct'] else 'NO '}{r['answer']!r}"
+            f"{r['cache']:<10}{r['kv_bytes'] / 2**20:>8.2f}{r['kv_bytes'] / fp16:>9.3f}"
+            f"{r['kv_bytes'] / rows[0]['kv_bytes']:>9.3f}{r['prefill_s']:>10.1f}{r['decode_tok_s']:>13.2f}"
+            f"{r['ppl']:>8.3f}  {'OK ' if r['correct'] else 'NO '}{r['answer']!r}"
         )
-    print(json.dumps({"prompt_tokens": n, "key": case.key, "rows": rows}))
+    d = rows[1]
+    print(
+        f"\n{args.policy}: {rows[0]['kv_bytes'] / d['kv_bytes']:.1f}x less KV memory than the full cache, "
+        f"perplexity {100 * (d['ppl'] / rows[0]['ppl'] - 1):+.2f}%, decode speed "
+        f"{d['decode_tok_s'] / rows[0]['decode_tok_s']:.2f}x ({args.threads} threads)"
+    )
+    print(json.dumps({"prompt_tokens": n, "key": case.key, "threads": args.threads, "rows": rows}))
     return 0
 
 
@@ -281,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tokens", type=_positive, default=3000, help="context length of the prompt")
     d.add_argument("--depth", type=float, default=0.1, help="where the fact is planted (0..1)")
     d.add_argument("--new-tokens", type=_positive, default=12)
+    d.add_argument("--ppl-tokens", type=_positive, default=1024, help="window of the perplexity check")
     d.add_argument("--text", nargs="*", help="text files (default: ../shared/data/pg books)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--threads", type=_positive, default=max(1, min(2, torch.get_num_threads())))

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
 
-TIERS = ("sink", "hot", "warm", "cold", "other")
+#: Byte groups of a report: resident tiers, ``staging`` (prefetched blocks held for a layer's
+#: attention, normally empty between steps), ``store`` (offloaded blocks), ``other`` (untiered layers).
+TIERS = ("sink", "hot", "warm", "cold", "staging", "store", "other")
+TOKEN_TIERS = ("sink", "hot", "warm", "cold", "evicted")
+_OPTIONAL = ("staging", "store", "other")
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -62,9 +66,10 @@ class MemoryReport:
 
     Attributes
     ----------
-    total_bytes : every byte held by the cache's tensors.
-    resident_bytes : bytes next to the compute (all of them until offload exists).
-    offloaded_bytes : bytes in host RAM or on disk for an offloading cache.
+    total_bytes : every byte the cache holds: ``resident_bytes + offloaded_bytes``.
+    resident_bytes : bytes next to the compute: sinks, hot, warm, cold sketches and codes,
+        block tables, checksums, staging buffers (read off the tensors).
+    offloaded_bytes : bytes of offloaded blocks in a block store (host RAM slabs or disk files).
     dense_fp16_bytes : what an fp16 ``DynamicCache`` would hold for the same tokens.
     seq_len : tokens seen (the longest layer).
     tokens : token slots per tier, summed over layers.
@@ -86,9 +91,15 @@ class MemoryReport:
         """``total_bytes / dense_fp16_bytes``."""
         return self.total_bytes / self.dense_fp16_bytes if self.dense_fp16_bytes else float("nan")
 
+    @property
+    def resident_ratio(self) -> float:
+        """``resident_bytes / dense_fp16_bytes``."""
+        return self.resident_bytes / self.dense_fp16_bytes if self.dense_fp16_bytes else float("nan")
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["ratio"] = self.ratio
+        d["resident_ratio"] = self.resident_ratio
         return d
 
     def __str__(self) -> str:
@@ -97,6 +108,11 @@ class MemoryReport:
             f"KV cache: {self.total_bytes / mib:.2f} MiB for {self.seq_len} tokens "
             f"({self.ratio:.3f} of fp16 {self.dense_fp16_bytes / mib:.2f} MiB)",
         ]
+        if self.offloaded_bytes:
+            lines.append(
+                f"  resident {self.resident_bytes / mib:.2f} MiB ({self.resident_ratio:.3f} of fp16), "
+                f"offloaded {self.offloaded_bytes / mib:.2f} MiB"
+            )
         for tier in TIERS:
             if self.per_tier.get(tier):
                 lines.append(
@@ -153,6 +169,50 @@ class SparseStats:
         }
 
 
+@dataclass
+class OffloadStats:
+    """Block traffic of offloading layers (see :mod:`kvtier.offload`).
+
+    A *block* here is one record: one cold block of one (row, KV head). ``needed`` counts the
+    distinct records an attention call (query chunk) read; each was either staged by the
+    prefetcher (``hits``) or read synchronously (``misses``), so ``hits + misses == needed``.
+    ``prefetched`` records were read ahead, ``unused`` of them were not needed. ``bytes_moved``
+    counts every record read from the store (prefetched or missed). ``stall_s`` is the time the
+    attention waited for data (a prefetch still in flight, or the synchronous reads);
+    ``fetch_s`` the worker's time reading ahead.
+    """
+
+    calls: int = 0
+    needed: int = 0
+    hits: int = 0
+    misses: int = 0
+    prefetched: int = 0
+    unused: int = 0
+    bytes_moved: int = 0
+    stall_s: float = 0.0
+    fetch_s: float = 0.0
+
+    def add(self, other: OffloadStats) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    @property
+    def hit_rate(self) -> float:
+        """``hits / needed`` (1.0 when nothing was needed)."""
+        return self.hits / self.needed if self.needed else 1.0
+
+    @property
+    def blocks_moved(self) -> int:
+        """Records read from the store: prefetched plus missed."""
+        return self.prefetched + self.misses
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["hit_rate"] = self.hit_rate
+        d["blocks_moved"] = self.blocks_moved
+        return d
+
+
 def _layer_dense_fp16(layer: Any) -> int:
     from .cache.layer import TieredLayer
 
@@ -170,13 +230,15 @@ def memory_report(cache: Any) -> MemoryReport:
 
     per_layer, all_tensors = [], []
     per_tier = dict.fromkeys(TIERS, 0)
-    tokens = dict.fromkeys((*TIERS[:-1], "evicted"), 0)
-    seq = 0
+    tokens = dict.fromkeys(TOKEN_TIERS, 0)
+    seq = offloaded = 0
     for idx, layer in enumerate(cache.layers):
+        stored = 0
         if isinstance(layer, TieredLayer):
             groups = layer.tier_tensors()
             counts = layer.token_counts()
             seq = max(seq, layer.seen)
+            stored = layer.offloaded_bytes()
         else:
             groups = {
                 "other": [
@@ -187,6 +249,9 @@ def memory_report(cache: Any) -> MemoryReport:
             }
             counts = {}
         nbytes = {tier: tensor_bytes(ts) for tier, ts in groups.items()}
+        if stored:
+            nbytes["store"] = stored
+            offloaded += stored
         for tier, b in nbytes.items():
             per_tier[tier] += b
         for tier, c in counts.items():
@@ -195,15 +260,15 @@ def memory_report(cache: Any) -> MemoryReport:
         per_layer.append(
             {"layer": idx, "bytes": nbytes, "tokens": counts, "dense_fp16_bytes": _layer_dense_fp16(layer)}
         )
-    total = tensor_bytes(all_tensors)
+    resident = tensor_bytes(all_tensors)
     return MemoryReport(
-        total_bytes=total,
-        resident_bytes=total,
-        offloaded_bytes=0,
+        total_bytes=resident + offloaded,
+        resident_bytes=resident,
+        offloaded_bytes=offloaded,
         dense_fp16_bytes=sum(d["dense_fp16_bytes"] for d in per_layer),
         seq_len=seq,
         tokens=tokens,
-        per_tier={k: v for k, v in per_tier.items() if v or k != "other"},
+        per_tier={k: v for k, v in per_tier.items() if v or k not in _OPTIONAL},
         per_layer=per_layer,
     )
 

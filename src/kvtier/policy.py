@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 
 WARM_BITS = (2, 3, 4, 6, 8)
 COLD_BITS = (2, 3, 4, 6, 8)
-COLD_MODES = ("sign", "quant", "evict")
+COLD_MODES = ("sign", "quant", "evict", "offload")
+OFFLOAD_BACKENDS = ("cpu", "disk")
+STORE_BITS = (None, 8, 4)
 SPARSE_METHODS = ("topk", "quantile", "mass")
 SPARSE_SELECT = ("tokens", "blocks")
 EXACT_DTYPES = ("model", "half", "float16", "bfloat16", "float32")
@@ -87,6 +89,68 @@ class SparsePolicy:
         )
 
 
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Cold tier ``"offload"``: exact blocks in a block store, chosen per query from 1-bit key sketches.
+
+    When a block goes cold its keys leave a resident 1-bit sketch (signs after a Hadamard rotation,
+    with a per-channel mean and scale) and its keys and values go to the store: host RAM or disk.
+    Each query row scores the cold blocks from the sketches (a block's log-sum-exp of its tokens'
+    sketch scores estimates its softmax mass), keeps the blocks its budget allows, and attention
+    runs exactly over the fetched blocks, merged with sinks and hot (see :mod:`kvtier.offload`).
+
+    Attributes
+    ----------
+    backend : ``"cpu"`` (host RAM, pinned when computing on CUDA) or ``"disk"`` (memory-mapped
+        files with a crc32 per block).
+    path : disk only: the directory for the files (``None``: the system temp directory). A private
+        subdirectory is created there and removed when the cache is closed or garbage-collected.
+    store_bits : ``None`` stores blocks exactly (storage dtype); 8 or 4 stores k-bit codes.
+    mass : keep a row's highest-scoring blocks until the resident tokens (exact mass) plus the kept
+        blocks (estimated mass) cover this fraction of the row's estimated attention mass;
+        ``None``: no mass cut (with ``max_blocks=None`` too: every block, exact attention).
+    max_blocks : at most this many cold blocks per query row (``None``: no cap).
+    min_blocks : at least this many (the best-scoring) cold blocks per query row.
+    local_window : blocks overlapping the last ``local_window`` tokens before a query are always
+        kept (the hot tier already is a local window of at least ``hot_tokens``).
+    prefetch : predict each layer's blocks and fetch them in a worker thread ahead of its attention.
+    margin : blocks per KV head added to a prediction beyond last step's selection (the next-best).
+    """
+
+    backend: str = "cpu"
+    path: str | None = None
+    store_bits: int | None = None
+    mass: float | None = 0.999
+    max_blocks: int | None = None
+    min_blocks: int = 4
+    local_window: int = 0
+    prefetch: bool = True
+    margin: int = 4
+
+    def __post_init__(self) -> None:
+        _check(self.backend in OFFLOAD_BACKENDS, "backend", self.backend, f"one of {OFFLOAD_BACKENDS}")
+        _check(self.path is None or isinstance(self.path, str), "path", self.path, "a directory path (str) or None")
+        _check(self.path is None or self.backend == "disk", "path", self.path, "None unless backend='disk'")
+        _check(self.store_bits in STORE_BITS, "store_bits", self.store_bits, f"one of {STORE_BITS}")
+        _check(
+            self.mass is None
+            or (isinstance(self.mass, (int, float)) and not isinstance(self.mass, bool) and 0 < self.mass <= 1),
+            "mass",
+            self.mass,
+            "a number in (0, 1] or None",
+        )
+        _check_count("max_blocks", self.max_blocks, allow_none=True, minimum=1)
+        _check_count("min_blocks", self.min_blocks, allow_none=False)
+        _check_count("local_window", self.local_window, allow_none=False)
+        _check_count("margin", self.margin, allow_none=False)
+        _check(isinstance(self.prefetch, bool), "prefetch", self.prefetch, "a bool")
+
+    @property
+    def unlimited(self) -> bool:
+        """True when every cold block is fetched (attention over the offloaded tier is exact)."""
+        return self.mass is None and self.max_blocks is None
+
+
 @dataclass
 class TierPolicy:
     """How one layer stores its keys and values.
@@ -98,7 +162,8 @@ class TierPolicy:
         A multiple of ``block_tokens``.
     warm_bits : bit width of the warm tier, one of 2, 3, 4, 6, 8.
     sink_tokens : first real tokens of each row kept exact for good.
-    cold : ``"sign"`` (1-bit), ``"quant"`` (``cold_bits``-bit) or ``"evict"``.
+    cold : ``"sign"`` (1-bit), ``"quant"`` (``cold_bits``-bit), ``"evict"``, or ``"offload"``
+        (exact blocks in a block store, a 1-bit key sketch resident: see ``offload``).
     cold_bits : bit width when ``cold == "quant"``.
     cold_rotation : randomized Hadamard rotation of K and V before the 1-bit sign code (default:
         on; on SmolLM2 it cuts the perplexity cost of the seed tiers from +8.5% to +3.9%).
@@ -109,6 +174,8 @@ class TierPolicy:
     sparse : a :class:`SparsePolicy` for dynamic sparse attention over warm and cold, or None.
     layer_overrides : layer index -> policy or preset name; negative indices count from the end.
     name : label used in reports.
+    offload : an :class:`OffloadPolicy` when ``cold == "offload"`` (``None`` there means the
+        defaults); must be ``None`` otherwise.
     """
 
     hot_tokens: int | None = 128
@@ -124,6 +191,7 @@ class TierPolicy:
     sparse: SparsePolicy | None = None
     layer_overrides: dict[int, TierPolicy | str] = field(default_factory=lambda: {0: "exact", -1: "exact"})
     name: str = "custom"
+    offload: OffloadPolicy | None = None
 
     def __post_init__(self) -> None:
         _check_count("hot_tokens", self.hot_tokens, allow_none=True)
@@ -149,6 +217,7 @@ class TierPolicy:
             self.sparse,
             "a SparsePolicy or None",
         )
+        self._check_offload()
         _check(isinstance(self.layer_overrides, dict), "layer_overrides", self.layer_overrides, "a dict")
         for idx, sub in self.layer_overrides.items():
             _check(isinstance(idx, int) and not isinstance(idx, bool), "layer_overrides key", idx, "an int")
@@ -156,6 +225,15 @@ class TierPolicy:
                 _check(sub in PRESETS, f"layer_overrides[{idx}]", sub, f"a preset name in {sorted(PRESETS)}")
             else:
                 _check(isinstance(sub, TierPolicy), f"layer_overrides[{idx}]", sub, "a TierPolicy or preset name")
+
+    def _check_offload(self) -> None:
+        if self.cold != "offload":
+            _check(self.offload is None, "offload", self.offload, "None unless cold='offload'")
+            return
+        if self.offload is None:
+            self.offload = OffloadPolicy()
+        _check(isinstance(self.offload, OffloadPolicy), "offload", self.offload, "an OffloadPolicy or None")
+        _check(self.sparse is None, "sparse", self.sparse, "None with cold='offload' (offload selects blocks itself)")
 
     @property
     def is_exact(self) -> bool:
@@ -251,6 +329,32 @@ def _sink_window() -> TierPolicy:
     )
 
 
+def _offload(backend: str) -> TierPolicy:
+    # No warm tier: a block leaving the hot window goes straight to the store, its 1-bit key sketch
+    # stays. Resident per token and KV head: D/8 sketch bytes + 4 D per 64-token block + validity
+    # and table (~12.5 bytes at D = 64, vs 256 for fp16 K/V), plus the fp16 hot window and sinks.
+    return TierPolicy(
+        hot_tokens=64,
+        warm_tokens=0,
+        sink_tokens=32,
+        cold="offload",
+        block_tokens=64,
+        value_group_size=64,
+        exact_dtype="half",
+        offload=OffloadPolicy(backend=backend),
+        layer_overrides={},
+        name=f"offload-{backend}",
+    )
+
+
+def _offload_cpu() -> TierPolicy:
+    return _offload("cpu")
+
+
+def _offload_disk() -> TierPolicy:
+    return _offload("disk")
+
+
 PRESETS: dict[str, _Preset] = {
     "default": ("best measured accuracy per byte (see BENCHMARKS.md)", _default),
     "max-compression": ("hot 128 exact, warm 1,024 at 4 bits, cold 1-bit signs, 32 sinks", _max_compression),
@@ -259,6 +363,11 @@ PRESETS: dict[str, _Preset] = {
     "exact": ("no compression; matches DynamicCache token for token", _exact),
     "kivi2": ("baseline: 2-bit warm over all non-hot tokens (KIVI layout), hot 128", _kivi2),
     "sink-window": ("baseline: 4 sinks + 1,020-token window, older tokens evicted", _sink_window),
+    "offload-cpu": (
+        "hot 64 + 32 sinks resident; older blocks exact in host RAM, fetched by 1-bit sketch",
+        _offload_cpu,
+    ),
+    "offload-disk": ("offload-cpu with blocks in memory-mapped temp files (crc32-checked)", _offload_disk),
 }
 
 

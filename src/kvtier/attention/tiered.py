@@ -148,6 +148,10 @@ def tiered_attention(layer: TieredLayer, query: torch.Tensor, mask: KVMask | Non
     has_prefix = layer.sinks.k is not None or any(t is not None and t.nblocks for t in (layer.warm, layer.cold))
     if not has_prefix:  # only exact hot tokens: the plain SDPA call (bit-identical to DynamicCache)
         return reference_attention(layer, query, mask, scaling)
+    if getattr(layer.cold, "is_offloaded", False):  # cold blocks in a block store: see kvtier.offload
+        from ..offload.attention import offload_attention
+
+        return offload_attention(layer, query, mask, scaling)
     if mask is not None and not mask.causal:
         raise NotImplementedError("tiered layers support causal (+ padding) masks only")
     padding = None if mask is None else mask.padding

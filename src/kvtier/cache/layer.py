@@ -63,7 +63,7 @@ def make_codecs(policy: TierPolicy, head_dim: int) -> tuple[Codec, Codec | None]
     """Warm and cold codecs of a policy (cold is None when evicted)."""
     g = value_group(policy, head_dim)
     warm = KBitCodec(policy.warm_bits, g)
-    if policy.cold == "evict":
+    if policy.cold in ("evict", "offload"):  # offload: resident sketches, see kvtier.offload.tier
         return warm, None
     if policy.cold == "sign":
         return warm, SignCodec(g, rotate=policy.cold_rotation)
@@ -77,17 +77,33 @@ class TieredLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, policy: TierPolicy, owner: TieredCache | None = None, attention: str = "fast"):
+    def __init__(
+        self,
+        policy: TierPolicy,
+        owner: TieredCache | None = None,
+        attention: str = "fast",
+        layer_idx: int | None = None,
+    ):
         super().__init__()
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r} is not allowed: expected one of {ATTENTION_PATHS}")
         self.policy = policy
         self.owner = owner
         self.attention = attention
+        self.layer_idx = layer_idx
+        self.offloader = None
+        if policy.cold == "offload" and not policy.is_exact:  # directories are checked here
+            from ..offload.prefetch import Offloader
+
+            shared = getattr(owner, "offloader", None)
+            self.offloader = shared if shared is not None else Offloader([policy.offload])
         self.reset()
 
     # --- transformers interface ---------------------------------------------------------------
     def reset(self) -> None:
+        old = getattr(self, "cold", None)
+        if getattr(old, "is_offloaded", False):
+            old.close()  # its store's records and files go now
         p = self.policy
         bound = None if p.hot_tokens is None else p.hot_tokens + p.block_tokens
         self.hot = HotBuffer(bound)
@@ -110,6 +126,18 @@ class TieredLayer(CacheLayerMixin):
         T = self.policy.block_tokens
         self.warm = BlockTier(warm, T, self.head_dim)
         self.cold = None if cold is None else BlockTier(cold, T, self.head_dim)
+        if self.offloader is not None:
+            from ..offload.tier import OffloadTier
+
+            self.cold = OffloadTier(
+                self.policy,
+                self.head_dim,
+                self.dtype,
+                self.device,
+                value_group(self.policy, self.head_dim),
+                self.offloader,
+                self.layer_idx,
+            )
         self.is_initialized = True
 
     def update(
@@ -156,6 +184,11 @@ class TieredLayer(CacheLayerMixin):
             if tier is not None:
                 tier.index_select(index)
         self.batch = int(index.numel())
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Not supported: quantized tokens cannot be restored (``is_croppable`` is False, so
+        transformers does not attempt it, e.g. for assisted decoding)."""
+        raise NotImplementedError("TieredCache cannot crop: its compressed tiers cannot be rolled back")
 
     def offload(self) -> None:  # transformers' layer offloading does not apply to packed tiers
         return None
@@ -226,10 +259,18 @@ class TieredLayer(CacheLayerMixin):
         }
 
     def tier_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Every tensor this layer holds, by tier."""
-        return {
+        """Every tensor this layer holds next to the compute, by tier (an offloading cold tier:
+        sketches, block table and checksums as ``cold``, prefetched blocks as ``staging``)."""
+        out = {
             "sink": self.sinks.tensors(),
             "hot": self.hot.tensors(),
             "warm": [] if self.warm is None else self.warm.tensors(),
             "cold": [] if self.cold is None else self.cold.tensors(),
         }
+        if getattr(self.cold, "is_offloaded", False):
+            out["staging"] = self.cold.staging_tensors()
+        return out
+
+    def offloaded_bytes(self) -> int:
+        """Bytes of this layer's blocks in a block store (host RAM or disk); 0 without offload."""
+        return self.cold.offloaded_bytes if getattr(self.cold, "is_offloaded", False) else 0

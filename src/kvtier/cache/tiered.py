@@ -50,10 +50,17 @@ class TieredCache(Cache):
         for idx in self.policy.layer_overrides:
             if not -n <= idx < n:
                 raise ValueError(f"layer_overrides key {idx} is not allowed: the model has {n} layers")
+        policies = {i: self.policy.for_layer(i, n) for i, kind in enumerate(layer_types) if kind == "full_attention"}
+        offloading = [p.offload for p in policies.values() if p.cold == "offload" and not p.is_exact]
+        self.offloader = None
+        if offloading:  # one worker and one private directory per disk path, shared by the layers
+            from ..offload.prefetch import Offloader
+
+            self.offloader = Offloader(offloading)
         layers: list[Any] = []
         for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
             if kind == "full_attention":
-                layers.append(TieredLayer(self.policy.for_layer(i, n), owner=self, attention=attention))
+                layers.append(TieredLayer(policies[i], owner=self, attention=attention, layer_idx=i))
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
         super().__init__(layers=layers)
@@ -84,6 +91,31 @@ class TieredCache(Cache):
         for layer in self.tiered_layers:
             total.add(layer.sparse_stats)
         return total
+
+    def offload_stats(self):  # noqa: ANN201 - kvtier.diagnostics.OffloadStats
+        """Block traffic of the offloading layers so far: hit rate, blocks and bytes moved, stall time."""
+        from ..diagnostics import OffloadStats
+
+        total = OffloadStats()
+        for layer in self.tiered_layers:
+            if getattr(layer.cold, "is_offloaded", False):
+                total.add(layer.cold.stats)
+        return total
+
+    def close(self) -> None:
+        """Release offloaded blocks: stop the prefetch worker, delete the store files (idempotent).
+        Garbage collection does the same; the cache is empty afterwards."""
+        if self.offloader is not None:
+            self.offloader.close()
+        for layer in self.tiered_layers:
+            if getattr(layer.cold, "is_offloaded", False):
+                layer.reset()
+
+    def __enter__(self) -> TieredCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def memory_report(self):  # noqa: ANN201 - see kvtier.diagnostics.MemoryReport
         """Bytes held per tier and layer; see :class:`kvtier.diagnostics.MemoryReport`."""

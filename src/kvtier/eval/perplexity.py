@@ -62,12 +62,15 @@ def stream_compare(
     chunk: int = 64,
     eval_from: int | None = None,
     reference: CacheSpec | None = None,
+    caches_out: dict | None = None,
 ) -> dict[str, StreamScore]:
     """Feed ``ids: [1, W]`` in chunks through a fresh cache per spec, in lockstep.
 
     Scores predictions of tokens ``eval_from + 1 .. W - 1`` (default: the last half). The
     ``reference`` (default: the full ``dynamic`` cache) provides the distribution for KL and
     top-1 agreement and is scored too.
+
+    ``caches_out``, if given, receives the caches by name (to read their counters afterwards).
 
     Returns
     -------
@@ -80,6 +83,8 @@ def stream_compare(
     W = ids.shape[1]
     eval_from = W // 2 if eval_from is None else eval_from
     caches = [s.build(model) for s in specs]
+    if caches_out is not None:
+        caches_out.update({s.name: c for s, c in zip(specs, caches)})
     scores = {s.name: StreamScore() for s in specs}
     for s in range(0, W - 1, chunk):
         e = min(s + chunk, W - 1)

@@ -104,14 +104,34 @@ SECTIONS = {
 }
 
 
+def merge_docs(docs: list[dict]) -> list[dict]:
+    """One document per kind: rows of runs of the same kind are concatenated (a row already seen
+    for the same cache, text and context - e.g. the full-cache reference every run includes - is
+    kept once); commands and configs are listed."""
+    merged: dict[str, dict] = {}
+    for doc in docs:
+        kind = doc["kind"]
+        if kind not in merged:
+            merged[kind] = {**doc, "rows": [], "commands": []}
+        m = merged[kind]
+        m["commands"].append(doc["command"])
+        seen = {_row_key(r) for r in m["rows"]}
+        m["rows"] += [r for r in doc["rows"] if _row_key(r) not in seen]
+    return list(merged.values())
+
+
+def _row_key(row: dict) -> tuple:
+    return tuple(row.get(k) for k in ("cache", "text", "context", "depth"))
+
+
 def build_report(paths: list[str | Path], out: str | Path) -> Path:
-    """Write ``out`` (markdown) with a section per results file and its plots beside it."""
+    """Write ``out`` (markdown): one section per kind of result (runs of a kind merged into one
+    table), with plots beside it."""
     out = Path(out)
     assets = out.parent / (out.stem + "_assets")
     assets.mkdir(parents=True, exist_ok=True)
     lines = ["# kvtier report", ""]
-    for i, p in enumerate(paths):
-        doc = load(p)
+    for i, doc in enumerate(merge_docs([load(p) for p in paths])):
         title, fn = SECTIONS[doc["kind"]]
         env = doc["env"]
         lines += [

@@ -75,6 +75,24 @@ std::vector<Term> make_terms(int64_t bits, int64_t dim, int64_t group) {
   return terms;
 }
 
+// Codes of one token, bit-plane term by term, as floats (channel order of the terms).
+inline void unpack(const uint8_t* code, const std::vector<Term>& terms, float* u) {
+  for (const auto& t : terms) {
+    const uint8_t* by = code + t.start;
+    const int sh = (int)t.shift, mk = (int)t.mask;
+#pragma omp simd
+    for (int64_t j = 0; j < t.nbytes; ++j) u[j] = float((by[j] >> sh) & mk);
+    u += t.nbytes;
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < n; ++j) acc += a[j] * b[j];
+  return acc;
+}
+
 }  // namespace
 
 std::vector<torch::Tensor> packed_attention(
@@ -117,7 +135,8 @@ std::vector<torch::Tensor> packed_attention(
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sc(R * K * T), qs(R * npos), bias(R), vacc(R * npos), zacc(R * NG), tot(R);
-    std::vector<float> tmp;
+    std::vector<float> tmp, u(npos), ex(K * T);
+    std::vector<int> bk(K * T);
     std::vector<uint8_t> read_tok(K * T);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H;
@@ -150,19 +169,15 @@ std::vector<torch::Tensor> packed_attention(
         const uint8_t* codes = kc + ((bh * n + blk) * T) * P;
         const bool* okb = ok + (b * n + blk) * T;
         for (int64_t tt = 0; tt < T; ++tt) {
-          const uint8_t* code = codes + tt * P;
+          if (!okb[tt]) {
+            for (int64_t r = 0; r < R; ++r) scs[r * K * T + tt] = NEG;
+            continue;
+          }
+          unpack(codes + tt * P, terms, u.data());
           for (int64_t r = 0; r < R; ++r) {
             float* dst = scs + r * K * T + tt;
-            if (!okb[tt] || (rmask && !rm[(bh * R + r) * K + s])) { *dst = NEG; continue; }
-            float acc = bias[r];
-            const float* w = qs.data() + r * npos;
-            for (const auto& t : terms) {
-              const uint8_t* by = code + t.start;
-              const int64_t sh = t.shift, mk = t.mask;
-              for (int64_t j = 0; j < t.nbytes; ++j) acc += w[j] * float((by[j] >> sh) & mk);
-              w += t.nbytes;
-            }
-            *dst = acc;
+            if (rmask && !rm[(bh * R + r) * K + s]) { *dst = NEG; continue; }
+            *dst = bias[r] + dot(qs.data() + r * npos, u.data(), npos);
           }
         }
       }
@@ -170,63 +185,64 @@ std::vector<torch::Tensor> packed_attention(
       std::fill(read_tok.begin(), read_tok.end(), 0);
       for (int64_t r = 0; r < R; ++r) {
         float* row = sc.data() + r * K * T;
+        const int64_t N = K * T;
         float m = NEG;
         int64_t nvalid = 0;
-        for (int64_t x = 0; x < K * T; ++x) {
+        for (int64_t x = 0; x < N; ++x) {
           m = std::max(m, row[x]);
           nvalid += row[x] != NEG;
         }
         cnt[bh * 3 + 0] += nvalid;
-        if (m == NEG) { tot[r] = 0.f; ls[bh * R + r] = NEG; std::fill(row, row + K * T, 0.f); continue; }
+        if (m == NEG) { tot[r] = 0.f; ls[bh * R + r] = NEG; std::fill(row, row + N, 0.f); continue; }
+        float* e = sel_method ? ex.data() : row;  // without selection: in place
         float sum = 0.f;
-        float thr = NEG;  // quantile: keep scores >= thr
+#pragma omp simd reduction(+ : sum)
+        for (int64_t x = 0; x < N; ++x) {
+          e[x] = row[x] == NEG ? 0.f : std::exp(row[x] - m);
+          sum += e[x];
+        }
+        ls[bh * R + r] = m + std::log(sum);
+        if (!sel_method) {
+          tot[r] = sum;
+          for (int64_t x = 0; x < N; ++x) read_tok[x] |= e[x] > 0.f;
+          cnt[bh * 3 + 1] += nvalid;
+          continue;
+        }
+        float thr = NEG;     // quantile: keep scores >= thr
         int64_t kstar = 64;  // mass: keep buckets <= kstar
         if (sel_method == 2) {
           tmp.clear();
-          for (int64_t x = 0; x < K * T; ++x) if (row[x] != NEG) tmp.push_back(row[x]);
+          for (int64_t x = 0; x < N; ++x) if (row[x] != NEG) tmp.push_back(row[x]);
           int64_t rank = std::max<int64_t>(1, (int64_t)std::ceil(sel_level * (double)nvalid)) - 1;
           rank = std::min<int64_t>(rank, nvalid - 1);
           std::nth_element(tmp.begin(), tmp.begin() + rank, tmp.end(), std::greater<float>());
           thr = tmp[rank];
-        }
-        float bucket[64] = {0.f};
-        for (int64_t x = 0; x < K * T; ++x) {
-          const float s = row[x];
-          const float e = s == NEG ? 0.f : std::exp(s - m);
-          if (sel_method == 1 && s != NEG) {
-            const int64_t k = std::min<int64_t>(63, (int64_t)std::floor((m - s) / LN2));
-            bucket[k] += e;
-          }
-          sum += e;
-        }
-        if (sel_method == 1) {
+        } else {
+          for (int64_t x = 0; x < N; ++x)
+            bk[x] = row[x] == NEG ? 63 : (int)std::min(63.f, std::floor((m - row[x]) / LN2));
+          float bucket[64] = {0.f};
+          for (int64_t x = 0; x < N; ++x) bucket[bk[x]] += e[x];
           float cum = 0.f;
-          kstar = 0;
-          for (; kstar < 63; ++kstar) {
+          for (kstar = 0; kstar < 63; ++kstar) {
             cum += bucket[kstar];
             if (cum >= (float)sel_level * sum) break;
           }
         }
         float kept = 0.f;
-        for (int64_t x = 0; x < K * T; ++x) {
-          const float s = row[x];
-          if (s == NEG) { row[x] = 0.f; continue; }
-          bool keep = true;
-          if (sel_method) {
-            const int64_t s_idx = x / T, blk = block_of(s_idx);
-            const int64_t pos = tier_start + blk * T + x % T;
-            const bool forced = pos >= ff[r];
-            if (sel_method == 1) keep = std::min<int64_t>(63, (int64_t)std::floor((m - s) / LN2)) <= kstar;
-            else keep = s >= thr;
-            keep = keep || forced;
+        int64_t nkept = 0;
+        for (int64_t x = 0; x < N; ++x) {
+          if (row[x] == NEG) { row[x] = 0.f; continue; }
+          bool keep = sel_method == 1 ? bk[x] <= kstar : row[x] >= thr;
+          if (!keep) {
+            const int64_t pos = tier_start + block_of(x / T) * T + x % T;
+            keep = pos >= ff[r];  // local window
           }
-          const float e = keep ? std::exp(s - m) : 0.f;
-          row[x] = e;
-          kept += e;
-          if (keep) { read_tok[x] = 1; cnt[bh * 3 + 1] += 1; }
+          row[x] = keep ? e[x] : 0.f;
+          kept += row[x];
+          if (keep) { read_tok[x] = 1; ++nkept; }
         }
+        cnt[bh * 3 + 1] += nkept;
         tot[r] = kept;
-        ls[bh * R + r] = m + std::log(sum);
       }
       for (int64_t x = 0; x < K * T; ++x) cnt[bh * 3 + 2] += read_tok[x];
       // values
@@ -239,22 +255,30 @@ std::vector<torch::Tensor> packed_attention(
         const bool* okb = ok + (b * n + blk) * T;
         for (int64_t tt = 0; tt < T; ++tt) {
           if (!okb[tt]) continue;
-          const uint8_t* code = codes + tt * P;
           const float* a = va + ((bh * n + blk) * T + tt) * NG;
           const float* bo = vb + ((bh * n + blk) * T + tt) * NG;
+          bool unpacked = false;
           for (int64_t r = 0; r < R; ++r) {
             const float p = sc[r * K * T + s * T + tt];
             if (p == 0.f) continue;
+            if (!unpacked) { unpack(codes + tt * P, terms, u.data()); unpacked = true; }
             for (int64_t g = 0; g < NG; ++g) zacc[r * NG + g] += p * bo[g];
             float* acc = vacc.data() + r * npos;
+            const float* uu = u.data();
+            if (NG == 1) {
+              const float pa = p * a[0];
+#pragma omp simd
+              for (int64_t j = 0; j < npos; ++j) acc[j] += pa * uu[j];
+              continue;
+            }
             for (const auto& t : terms) {
-              const uint8_t* by = code + t.start;
-              const int64_t sh = t.shift, mk = t.mask;
               for (int64_t g = 0; g < NG; ++g) {
                 const float pa = p * a[g];
-                for (int64_t j = t.glo[g]; j < t.ghi[g]; ++j) acc[j] += pa * float((by[j] >> sh) & mk);
+#pragma omp simd
+                for (int64_t j = t.glo[g]; j < t.ghi[g]; ++j) acc[j] += pa * uu[j];
               }
               acc += t.nbytes;
+              uu += t.nbytes;
             }
           }
         }
@@ -285,10 +309,10 @@ def _module():
     from torch.utils.cpp_extension import load_inline
 
     return load_inline(
-        name="kvtier_cpu_v2",
+        name="kvtier_cpu_v5",
         cpp_sources=[_SOURCE],
         functions=["packed_attention"],
-        extra_cflags=["-O3", "-march=native"],
+        extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"],
         verbose=False,
     )
 

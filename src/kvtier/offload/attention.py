@@ -1,0 +1,143 @@
+"""Attention over a layer whose cold tier is offloaded: sketch-scored block selection, exact attention
+over the fetched blocks, merged by log-sum-exp with sinks, warm and hot.
+
+Per query row (the ``Gq * q`` queries sharing a KV head) and call:
+
+1. exact partials of sinks and hot (and the warm tier if the policy has one) give the row's exact
+   resident mass ``lse_res``;
+2. the 1-bit sketches give every cold block an estimated log mass ``lse_j``
+   (:func:`kvtier.offload.sketch.block_lse`);
+3. :func:`select_offloaded` keeps blocks in descending ``lse_j`` until the resident mass plus the
+   kept blocks cover ``mass`` of the estimated total ``lse_res (+) lse_1 (+) ... (+) lse_n``, within
+   ``[min_blocks, max_blocks]``, plus blocks in the row's local window;
+4. the union of the kept blocks per (row, KV head) is fetched (staged by the prefetcher or read
+   synchronously) and attended *exactly* with a per-row mask (:func:`exact_partial`): a row never
+   sees a block it did not select, so the result equals exact attention with the unselected
+   blocks removed, and with an unlimited budget it equals exact attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention.mask import KVMask
+from ..attention.partials import Partial, exact_partial, from_rows, merge, tier_partial, to_rows
+from ..attention.sparse import union_blocks
+from ..cache.layer import TieredLayer
+from ..policy import OffloadPolicy
+from .sketch import block_lse
+from .tier import OffloadTier
+
+#: Max score elements (rows x tokens) per pass; longer query chunks are split (as the fast path).
+SCORE_BUDGET = 1 << 23
+
+
+def select_offloaded(
+    lse_blocks: torch.Tensor, lse_resident: torch.Tensor, policy: OffloadPolicy, forced: torch.Tensor | None = None
+) -> torch.Tensor:
+    """bool ``[B, H, R, n]``: the cold blocks each query row keeps.
+
+    Parameters
+    ----------
+    lse_blocks : ``[B, H, R, n]`` estimated log mass of each block (``-inf``: nothing valid).
+    lse_resident : ``[B, H, R]`` exact log mass of the resident tokens (sinks, warm, hot).
+    policy : the budget (``mass``, ``max_blocks``, ``min_blocks``).
+    forced : bool broadcastable to ``lse_blocks``: blocks always kept (local window), or None.
+    """
+    finite = torch.isfinite(lse_blocks)
+    n = lse_blocks.shape[-1]
+    if n == 0:
+        return finite
+    order = lse_blocks.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand_as(order))
+    if policy.mass is None:
+        keep = torch.ones_like(finite)
+    else:
+        total = torch.logaddexp(lse_resident, torch.logsumexp(lse_blocks, dim=-1))  # [B,H,R]
+        total = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+        p = torch.exp(lse_blocks.gather(-1, order) - total.unsqueeze(-1))  # sorted block shares
+        covered = torch.exp(lse_resident - total).unsqueeze(-1) + p.cumsum(-1) - p  # before each block
+        keep = torch.zeros_like(finite).scatter_(-1, order, covered < policy.mass)
+    if policy.max_blocks is not None:
+        keep &= rank < policy.max_blocks
+    if policy.min_blocks:
+        keep |= rank < policy.min_blocks
+    if forced is not None:
+        keep = keep | forced
+    return keep & finite
+
+
+def _hot_allowed(layer: TieredLayer, q_pos: torch.Tensor, padding: torch.Tensor | None, groups: int) -> torch.Tensor:
+    """bool ``[B or 1, 1, Gq * len(q_pos), L]`` over hot tokens, rows ordered (group, position)."""
+    L = layer.hot.length
+    k_pos = layer.hot_start + torch.arange(L, device=q_pos.device)
+    allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # [1, q, L]
+    if padding is not None:
+        allowed = allowed & padding[:, None, layer.hot_start : layer.seen].to(q_pos.device)
+    Bm, q = allowed.shape[:2]
+    return allowed.unsqueeze(1).expand(Bm, groups, q, L).reshape(Bm, 1, groups * q, L)
+
+
+def _cold_partial(tier: OffloadTier, rows: torch.Tensor, row_pos: torch.Tensor, resident: list[Partial], start: int):
+    """Select, fetch and attend the offloaded blocks for ``rows [B,H,R,D]``."""
+    policy = tier.policy
+    T = tier.block_tokens
+    B, H, R, D = rows.shape
+    scores = block_lse(rows, tier.fields, tier.sketch)  # [B,H,R,n]
+    forced = None
+    if policy.local_window:
+        ends = start + T * torch.arange(1, tier.nblocks + 1, device=rows.device)
+        forced = ends[None, None, None, :] > (row_pos - policy.local_window)[None, None, :, None]
+    if policy.unlimited:
+        keep = torch.isfinite(scores)
+    else:
+        lse_res = torch.stack([p.lse for p in resident]).logsumexp(0)  # hot is never empty
+        keep = select_offloaded(scores, lse_res, policy, forced)
+    tier.observe(keep, scores)
+    blocks, row_mask = union_blocks(keep)  # [B,H,k], [B,H,R,k]
+    k, v = tier.fetch(blocks)  # [B,H,k,T,D]
+    valid = tier.fields["valid"].expand(B, H, -1, -1)
+    vg = valid.gather(2, blocks.clamp(min=0).to(valid.device).unsqueeze(-1).expand(-1, -1, -1, T))
+    allowed = row_mask.unsqueeze(-1) & vg.unsqueeze(2)  # [B,H,R,k,T]; -1 slots are masked in row_mask
+    kk = blocks.shape[-1]
+    return exact_partial(rows, k.reshape(B, H, kk * T, D), v.reshape(B, H, kk * T, D), allowed.reshape(B, H, R, -1))
+
+
+def _attend(layer: TieredLayer, query: torch.Tensor, q_pos: torch.Tensor, padding, scaling: float) -> torch.Tensor:
+    B, Hq, q, D = query.shape
+    H = layer.kv_heads
+    rows = to_rows(query, H, scaling)
+    tier = layer.cold
+    parts: list[Partial] = []
+    if layer.sinks.k is not None:
+        parts.append(exact_partial(rows, layer.sinks.k, layer.sinks.v, layer.sinks.valid()[:, None, None, :]))
+    if layer.warm is not None and layer.warm.nblocks:
+        parts.append(tier_partial(rows, layer.warm.fields, layer.warm.codec, D))
+    hk, hv = layer.hot.view()
+    parts.append(exact_partial(rows, hk, hv, _hot_allowed(layer, q_pos, padding, Hq // H)))
+    if tier.nblocks:
+        parts.append(_cold_partial(tier, rows, q_pos.repeat(Hq // H), parts, layer.evicted))
+    return from_rows(merge(parts), Hq, q)
+
+
+def offload_attention(layer: TieredLayer, query: torch.Tensor, mask: KVMask | None, scaling: float) -> torch.Tensor:
+    """Attention of ``query [B, Hq, q, D]`` over a layer with an offloaded cold tier -> ``[B, q, Hq, D]``."""
+    if mask is not None and not mask.causal:
+        raise NotImplementedError("tiered layers support causal (+ padding) masks only")
+    tier = layer.cold
+    assert isinstance(tier, OffloadTier)
+    padding = None if mask is None else mask.padding
+    B, Hq, q, D = query.shape
+    first = layer.seen - q
+    tokens = layer.seen - layer.evicted
+    step = max(1, SCORE_BUDGET // max(1, tokens * Hq // layer.kv_heads))
+    tier.offloader.begin(tier)
+    try:
+        outs = []
+        for s in range(0, q, step):
+            q_pos = first + torch.arange(s, min(s + step, q), device=query.device)
+            outs.append(_attend(layer, query[:, :, s : s + step], q_pos, padding, scaling))
+    finally:
+        tier.end_step()
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return out.to(query.dtype).contiguous()

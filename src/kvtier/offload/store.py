@@ -1,0 +1,297 @@
+"""Block store: a pool of fixed-size records in host RAM or in memory-mapped files on disk.
+
+An offloading layer writes each cold block of each (row, KV head) as one *record* of
+``record_bytes`` bytes and keeps only the record id (in its block table, see
+:mod:`kvtier.offload.tier`). Records are immutable once written: beam search permutes table rows
+and several rows may then share a record, so nothing is rewritten in place; records no row
+refers to any more are freed and their ids reused, lowest first.
+
+Storage grows in *slabs* of records whose sizes follow :func:`slab_sizes` (doubling from
+``SLAB_MIN_RECORDS`` up to ``SLAB_MAX_BYTES`` per slab), so the planner can price a store exactly
+(:func:`store_capacity`) and nothing is ever copied when the pool grows.
+
+Backends
+--------
+``"cpu"``: slabs are host tensors (pinned when CUDA is available, so copies to the GPU can run
+asynchronously). ``"disk"``: each slab is a file in a caller-chosen directory, its space
+reserved up front with ``posix_fallocate`` (so a full disk fails with a clear error at the
+write that needs the space, never later through a ``SIGBUS`` on a mapped page), then mapped
+with ``mmap``. Every disk record carries a crc32 checksum, kept next to the compute and checked
+on every read. Files are removed by :meth:`BlockStore.close` or, at the latest, when the store
+is garbage-collected (``weakref.finalize``).
+"""
+
+from __future__ import annotations
+
+import errno
+import heapq
+import mmap
+import os
+import weakref
+import zlib
+
+import torch
+
+BACKENDS = ("cpu", "disk")
+#: The first slab holds this many records; each later slab as many as all before it ...
+SLAB_MIN_RECORDS = 16
+#: ... up to this many bytes per slab.
+SLAB_MAX_BYTES = 8 << 20
+
+
+class OffloadError(RuntimeError):
+    """An offloading failure kvtier can name: a directory that cannot be used, a full disk, or
+    a block whose record is missing or fails its checksum."""
+
+
+class RecordError(OffloadError):
+    """Records that cannot be read back; ``records`` lists their ids (the caller names the block)."""
+
+    def __init__(self, message: str, records: list[int]):
+        super().__init__(message)
+        self.records = records
+
+
+def slab_sizes(records: int, record_bytes: int) -> list[int]:
+    """Records per slab of a store holding ``records`` records (the growth rule, for planning)."""
+    cap = max(1, SLAB_MAX_BYTES // max(1, record_bytes))
+    sizes: list[int] = []
+    total = 0
+    while total < records:
+        size = min(cap, max(SLAB_MIN_RECORDS, total))
+        sizes.append(size)
+        total += size
+    return sizes
+
+
+def store_capacity(records: int, record_bytes: int) -> int:
+    """Records a store allocates to hold ``records`` records."""
+    return sum(slab_sizes(records, record_bytes))
+
+
+def check_directory(path: str) -> str:
+    """The absolute directory ``path`` if it exists and is writable; else an :class:`OffloadError`."""
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    if not os.path.isdir(path):
+        raise OffloadError(f"offload directory {path!r} does not exist (or is not a directory)")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise OffloadError(f"offload directory {path!r} is not writable")
+    return path
+
+
+def _close_maps(maps: list[mmap.mmap], paths: list[str]) -> None:
+    """Finalizer of a disk store: unmap and delete its files (never references the store)."""
+    for mm in maps:
+        try:
+            mm.close()
+        except BufferError:  # a view is still alive: the mapping goes when it does
+            pass
+    for p in paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+    maps.clear()
+    paths.clear()
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Give the open file ``fd`` ``size`` bytes of real disk space (ENOSPC now, not at a page fault)."""
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, 0, size)
+        return
+    zeros = bytes(1 << 20)
+    left = size
+    while left > 0:  # no fallocate (macOS): write zeros
+        left -= os.write(fd, zeros[: min(left, len(zeros))])
+
+
+class BlockStore:
+    """A pool of ``record_bytes``-byte records addressed by int64 ids.
+
+    Parameters
+    ----------
+    record_bytes : size of one record.
+    backend : ``"cpu"`` (host RAM) or ``"disk"`` (memory-mapped files in ``directory``).
+    directory : where disk slabs go (must exist and be writable).
+    name : file-name prefix of this store's slabs (one store per layer shares a directory).
+    pin : allocate ``"cpu"`` slabs in pinned memory (set when the compute runs on CUDA).
+    """
+
+    def __init__(
+        self, record_bytes: int, backend: str = "cpu", directory: str | None = None, name: str = "store", pin=False
+    ):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not allowed: expected one of {BACKENDS}")
+        if not isinstance(record_bytes, int) or record_bytes <= 0:
+            raise ValueError(f"record_bytes={record_bytes!r} is not allowed: expected an int > 0")
+        self.record_bytes = record_bytes
+        self.backend = backend
+        self.name = name
+        self.pin = bool(pin) and backend == "cpu"
+        self.directory = None if backend == "cpu" else check_directory(directory or "")
+        self._slabs: list[torch.Tensor] = []  # cpu backend: uint8 [S, record_bytes]
+        self._maps: list[mmap.mmap] = []  # disk backend
+        self._paths: list[str] = []
+        self._starts: list[int] = []  # first id of each slab
+        self._crc: torch.Tensor | None = None  # disk: int32 [capacity], crc32 of each record
+        self._free: list[int] = []  # heap of free ids below capacity
+        self._live = bytearray()  # 1 where a record is allocated
+        self.capacity = 0
+        self._finalizer = weakref.finalize(self, _close_maps, self._maps, self._paths)
+
+    # --- bookkeeping ------------------------------------------------------------------------
+    @property
+    def live(self) -> int:
+        """Records currently allocated."""
+        return self.capacity - len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the store holds (RAM slabs or disk files): its offloaded bytes."""
+        return self.capacity * self.record_bytes
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Tensors kept next to the compute (the disk checksums); slabs are not among them."""
+        return [] if self._crc is None else [self._crc]
+
+    def _grow(self) -> None:
+        size = slab_sizes(self.capacity + 1, self.record_bytes)[-1]
+        if self.backend == "cpu":
+            self._slabs.append(torch.empty(size, self.record_bytes, dtype=torch.uint8, pin_memory=self.pin))
+        else:
+            self._new_file(size)
+            crc = torch.zeros(size, dtype=torch.int32)
+            self._crc = crc if self._crc is None else torch.cat([self._crc, crc])
+        self._starts.append(self.capacity)
+        self._free.extend(range(self.capacity, self.capacity + size))
+        heapq.heapify(self._free)
+        self._live.extend(bytes(size))
+        self.capacity += size
+
+    def _new_file(self, size: int) -> None:
+        assert self.directory is not None
+        path = os.path.join(self.directory, f"{self.name}-{len(self._maps):04d}.kv")
+        nbytes = size * self.record_bytes
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileNotFoundError as err:
+            raise OffloadError(f"offload directory {self.directory!r} disappeared: cannot create {path!r}") from err
+        except OSError as err:
+            raise OffloadError(f"cannot create {path!r} in offload directory {self.directory!r}: {err}") from err
+        try:
+            _reserve(fd, nbytes)
+            mm = mmap.mmap(fd, nbytes)
+        except OSError as err:
+            os.close(fd)
+            os.unlink(path)
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise OffloadError(
+                    f"no space left for offloaded KV blocks in {self.directory!r} "
+                    f"(needed {nbytes} more bytes for {path!r})"
+                ) from err
+            raise OffloadError(f"cannot write {path!r} in offload directory {self.directory!r}: {err}") from err
+        os.close(fd)  # the mapping keeps the file open
+        self._maps.append(mm)
+        self._paths.append(path)
+
+    def allocate(self, n: int) -> torch.Tensor:
+        """``n`` free record ids (lowest first), growing the pool as needed: int64 ``[n]``."""
+        self._check_open()
+        while len(self._free) < n:
+            self._grow()
+        ids = [heapq.heappop(self._free) for _ in range(n)]
+        for i in ids:
+            self._live[i] = 1
+        return torch.tensor(ids, dtype=torch.long)
+
+    def free(self, ids: torch.Tensor) -> None:
+        """Return records to the pool (ids that are not allocated are ignored)."""
+        for i in ids.tolist():
+            if 0 <= i < self.capacity and self._live[i]:
+                self._live[i] = 0
+                heapq.heappush(self._free, i)
+
+    def _locate(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.tensor(self._starts, dtype=torch.long)
+        slab = torch.searchsorted(starts, ids, right=True) - 1
+        return slab, ids - starts[slab]
+
+    def _slab_view(self, s: int) -> torch.Tensor:
+        """uint8 ``[S, record_bytes]`` over slab ``s`` (a view of the mapping for disk: drop it soon)."""
+        if self.backend == "cpu":
+            return self._slabs[s]
+        return torch.frombuffer(self._maps[s], dtype=torch.uint8).view(-1, self.record_bytes)
+
+    # --- data -------------------------------------------------------------------------------
+    def write(self, ids: torch.Tensor, data: torch.Tensor) -> None:
+        """Write records: ``ids`` int64 ``[n]`` (allocated), ``data`` uint8 ``[n, record_bytes]``."""
+        if data.dtype != torch.uint8 or data.shape != (ids.numel(), self.record_bytes):
+            raise ValueError(f"data must be uint8 [{ids.numel()}, {self.record_bytes}], got {data.dtype} {data.shape}")
+        self._check_live(ids)
+        data = data.detach().to("cpu").contiguous()
+        slab, local = self._locate(ids)
+        for s in slab.unique().tolist():
+            sel = (slab == s).nonzero().flatten()
+            view = self._slab_view(s)
+            view.index_copy_(0, local[sel], data[sel])
+            del view
+        if self._crc is not None:
+            rows = data.numpy()
+            crc = [zlib.crc32(rows[i]) for i in range(rows.shape[0])]
+            self._crc[ids] = torch.tensor(crc, dtype=torch.int64).to(torch.int32)  # wraps mod 2^32
+
+    def read(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Records ``ids`` (int64 ``[n]``) as uint8 ``[n, record_bytes]`` (into ``out`` if given).
+
+        Raises :class:`RecordError` for ids that are not allocated or whose bytes fail the crc32.
+        """
+        ids = ids.to("cpu", torch.long)
+        self._check_live(ids)
+        if out is None:
+            out = torch.empty(ids.numel(), self.record_bytes, dtype=torch.uint8, pin_memory=self.pin)
+        if ids.numel() == 0:
+            return out
+        slab, local = self._locate(ids)
+        for s in slab.unique().tolist():
+            sel = (slab == s).nonzero().flatten()
+            view = self._slab_view(s)
+            out[sel] = view.index_select(0, local[sel])
+            del view
+        if self._crc is not None:
+            rows = out.numpy()
+            crc = torch.tensor([zlib.crc32(rows[i]) for i in range(rows.shape[0])], dtype=torch.int64)
+            bad = (crc.to(torch.int32) != self._crc[ids]).nonzero().flatten()
+            if bad.numel():
+                recs = ids[bad].tolist()
+                files = sorted({self._paths[int(slab[i])] for i in bad.tolist()})
+                raise RecordError(f"record(s) {recs} failed the crc32 check (file {', '.join(files)})", recs)
+        return out
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise OffloadError(f"the {self.backend} store {self.name!r} is closed")
+
+    def _check_live(self, ids: torch.Tensor) -> None:
+        self._check_open()
+        bad = [i for i in ids.tolist() if not (0 <= i < self.capacity and self._live[i])]
+        if bad:
+            raise RecordError(f"record(s) {bad} are missing from the {self.backend} store {self.name!r}", bad)
+
+    def close(self) -> None:
+        """Release the storage and delete the files (idempotent)."""
+        self._finalizer()
+        self._slabs.clear()
+        self._free.clear()
+        self._live = bytearray()
+        self._starts.clear()
+        self._crc = None
+        self.capacity = 0
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def files(self) -> list[str]:
+        """Paths of this store's slab files (disk backend)."""
+        return list(self._paths)

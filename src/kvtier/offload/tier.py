@@ -1,0 +1,315 @@
+"""The offloaded cold tier of one layer: resident key sketches and a block table over a block store.
+
+When a block leaves the hot (or warm) tier it is split in two:
+
+* resident, next to the compute: a 1-bit key sketch (:mod:`kvtier.offload.sketch`) and validity
+  ``valid: bool [B, 1, n, T]`` (pads and captured sinks are False), stored like a
+  :class:`~kvtier.cache.tiers.BlockTier`'s fields, plus the block table ``table: int64 [B, H, n]``
+  mapping (row, KV head, cold block) to a record id of the store;
+* offloaded: one record per (row, KV head, block) holding the exact keys and values (or their
+  8-/4-bit codes, :mod:`kvtier.offload.records`) in a :class:`~kvtier.offload.store.BlockStore`.
+
+Beam search and batch selection permute table rows; no data moves and records no row refers to
+any more are freed (vLLM-style, beam-safe). Attention (:mod:`kvtier.offload.attention`) chooses
+blocks from the sketches and :meth:`OffloadTier.fetch` gets them, from what the prefetcher staged
+(:mod:`kvtier.offload.prefetch`) or synchronously from the store; :class:`OffloadStats` counts it.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import torch
+
+from ..diagnostics import OffloadStats
+from ..policy import TierPolicy
+from .prefetch import Offloader
+from .records import RecordLayout
+from .sketch import KeySketch
+from .store import BlockStore, OffloadError, RecordError
+
+
+class OffloadTier:
+    """Cold blocks of one layer: sketches and block table resident, exact K/V in a store.
+
+    Parameters
+    ----------
+    policy : the layer's policy (``cold="offload"``).
+    head_dim, dtype, device : learned from the layer's first tensors; ``dtype`` is the storage dtype.
+    value_group : value scale group of k-bit records.
+    offloader : the cache's :class:`~kvtier.offload.prefetch.Offloader`.
+    layer_idx : the layer's index (in error messages and the prefetch order).
+    """
+
+    is_offloaded = True
+
+    def __init__(
+        self,
+        policy: TierPolicy,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        value_group: int,
+        offloader: Offloader,
+        layer_idx: int | None = None,
+    ):
+        op = policy.offload
+        assert op is not None
+        self.policy = op
+        self.block_tokens = policy.block_tokens
+        self.head_dim = head_dim
+        self.device = torch.device(device)
+        self.layer_idx = 0 if layer_idx is None else layer_idx
+        self.sketch = KeySketch(rotate=policy.cold_rotation)
+        self.layout = RecordLayout(policy.block_tokens, head_dim, dtype, op.store_bits, value_group)
+        self.store = BlockStore(
+            self.layout.record_bytes,
+            op.backend,
+            offloader.directory(op),
+            name=f"layer{self.layer_idx:03d}",
+            pin=self.device.type == "cuda",
+        )
+        self.offloader = offloader
+        self.fields: dict[str, torch.Tensor] = {}  # k_signs, k_scale, k_mean [B,H,n,...]; valid [B,1,n,T]
+        self.table: torch.Tensor | None = None  # int64 [B, H, n] record ids (host)
+        self.predicted: torch.Tensor | None = None  # bool [B, H, n'] blocks predicted for the next step
+        self._observed: torch.Tensor | None = None  # prediction being built during this step
+        self._pending: Future | None = None
+        self._staged: tuple | None = None  # (ids_sorted [m], data [m, rb] on device, used bool [m])
+        self.stats = OffloadStats()
+        offloader.register(self)
+
+    # --- tier interface (as BlockTier) ------------------------------------------------------
+    @property
+    def nblocks(self) -> int:
+        return 0 if not self.fields else self.fields["valid"].shape[2]
+
+    @property
+    def ntokens(self) -> int:
+        return self.nblocks * self.block_tokens
+
+    def push(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
+        """Offload tokens ``k, v: [B, H, N, D]`` (``N`` a multiple of the block), ``valid: bool [B, N]``."""
+        self.drop_staging()
+        B, H, N, D = k.shape
+        T = self.block_tokens
+        n = N // T
+        kb, vb = k.reshape(B, H, n, T, D), v.reshape(B, H, n, T, D)
+        bvalid = valid.reshape(B, 1, n, T).to(self.device)
+        new = self.sketch.encode(kb, bvalid)
+        new["valid"] = bvalid.clone()
+        ids = self.store.allocate(B * H * n)
+        self.store.write(ids, self.layout.encode(kb, vb, bvalid))
+        table = ids.view(B, H, n)
+        if not self.fields:
+            self.fields, self.table = new, table
+        else:
+            self.fields = {name: torch.cat([self.fields[name], t], dim=2) for name, t in new.items()}
+            self.table = torch.cat([self.table, table], dim=2)
+
+    def index_select(self, index: torch.Tensor) -> None:
+        """Select / reorder batch rows (beam search): permute the table, free unreferenced records."""
+        self.drop_staging()
+        if not self.fields:
+            return
+        self.fields = {name: t.index_select(0, index.to(t.device)) for name, t in self.fields.items()}
+        old = self.table
+        self.table = old.index_select(0, index.to(old.device))
+        if self.predicted is not None:
+            self.predicted = self.predicted.index_select(0, index.to(self.predicted.device))
+        before, after = old.unique(), self.table.unique()
+        self.store.free(before[~torch.isin(before, after)])
+
+    def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every block fetched exactly (reference path): ``k, v: [B, H, N, D]``, ``valid: [B, N]``."""
+        assert self.table is not None
+        B, H, n = self.table.shape
+        k, v = self.layout.decode(self._read(self.table.flatten()))
+        k = k.to(self.device, dtype).reshape(B, H, n * self.block_tokens, self.head_dim)
+        v = v.to(self.device, dtype).reshape(B, H, n * self.block_tokens, self.head_dim)
+        return k, v, self.fields["valid"].reshape(B, -1)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Resident tensors: sketches, validity, block table, prediction, store checksums."""
+        out = list(self.fields.values())
+        out += [t for t in (self.table, self.predicted) if t is not None]
+        return out + self.store.tensors()
+
+    def staging_tensors(self) -> list[torch.Tensor]:
+        return [] if self._staged is None else [self._staged[0], self._staged[1]]
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return self.store.nbytes
+
+    def close(self) -> None:
+        """Drop everything and delete the store's files."""
+        self.drop_staging()
+        self.store.close()
+        self.fields, self.table, self.predicted = {}, None, None
+        self.offloader.unregister(self)
+
+    # --- fetching -----------------------------------------------------------------------------
+    def _read(self, ids: torch.Tensor) -> torch.Tensor:
+        """Records ``ids`` from the store (host); a bad record raises naming layer, block and record."""
+        try:
+            return self.store.read(ids)
+        except RecordError as err:
+            raise self._named(err) from err
+
+    def _named(self, err: RecordError) -> OffloadError:
+        rid = err.records[0]
+        where = "" if self.table is None else (self.table == rid).nonzero()
+        if isinstance(where, torch.Tensor) and where.numel():
+            b, h, j = where[0].tolist()
+            block = f"cold block {j} (row {b}, KV head {h})"
+        else:
+            block = "a cold block"
+        return OffloadError(f"layer {self.layer_idx}: {block}, record {rid}: {err}")
+
+    def record_ids(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Record ids of ``blocks: int64 [B, H, k]`` (``-1`` stays ``-1``): int64 ``[B, H, k]`` (host)."""
+        assert self.table is not None
+        blocks = blocks.to(self.table.device)
+        ids = self.table.gather(-1, blocks.clamp(min=0))
+        return torch.where(blocks >= 0, ids, torch.full_like(ids, -1))
+
+    def fetch(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact K/V of ``blocks: int64 [B, H, k]`` (``-1`` = none, returned as zeros).
+
+        Returns
+        -------
+        ``k, v: [B, H, k, T, D]`` in the storage dtype, on the compute device.
+        """
+        ids = self.record_ids(blocks)
+        present = ids >= 0
+        uniq, inverse = ids[present].unique(return_inverse=True)
+        data = self._load(uniq)
+        kd, vd = self.layout.decode(data)  # [m, T, D]
+        B, H, k = ids.shape
+        T, D = self.block_tokens, self.head_dim
+        idx = torch.full((B, H, k), uniq.numel(), dtype=torch.long)
+        idx[present] = inverse
+        idx = idx.to(kd.device)
+        pad = kd.new_zeros(1, T, D)
+        return torch.cat([kd, pad])[idx], torch.cat([vd, pad])[idx]
+
+    def _load(self, ids: torch.Tensor) -> torch.Tensor:
+        """Records ``ids`` (sorted, unique) as uint8 ``[m, record_bytes]`` on the device: staged hits
+        plus synchronous reads of the misses; counts hits, misses, bytes and stall time."""
+        st = self.stats
+        m = ids.numel()
+        t0 = time.perf_counter()
+        self._wait_pending()
+        stall = time.perf_counter() - t0
+        hit = torch.zeros(m, dtype=torch.bool)
+        out = torch.empty(m, self.layout.record_bytes, dtype=torch.uint8, device=self.device)
+        if self._staged is not None and m and self._staged[0].numel():
+            staged_ids, staged, used = self._staged
+            pos = torch.searchsorted(staged_ids, ids).clamp(max=staged_ids.numel() - 1)
+            hit = staged_ids[pos] == ids
+            if hit.any():
+                out[hit.to(self.device)] = staged[pos[hit].to(staged.device)]
+                used[pos[hit]] = True
+        misses = ids[~hit]
+        if misses.numel():
+            t1 = time.perf_counter()
+            out[(~hit).to(self.device)] = self._read(misses).to(self.device)
+            stall += time.perf_counter() - t1
+            st.bytes_moved += misses.numel() * self.layout.record_bytes
+        st.needed += m
+        st.hits += int(hit.sum())
+        st.misses += int(misses.numel())
+        st.stall_s += stall
+        return out
+
+    # --- prefetch -----------------------------------------------------------------------------
+    @property
+    def prefetch_enabled(self) -> bool:
+        return self.policy.prefetch
+
+    def predicted_ids(self) -> torch.Tensor:
+        """Record ids (sorted, unique) of the blocks predicted for this layer's next attention:
+        last step's selection and margin, plus every block offloaded since."""
+        if self.table is None or self.predicted is None:
+            return torch.empty(0, dtype=torch.long)
+        B, H, n = self.table.shape
+        known = self.predicted.shape[2]
+        mask = torch.ones(B, H, n, dtype=torch.bool)
+        mask[:, :, :known] = self.predicted[:, :, :n].cpu()
+        mask &= self.fields["valid"].any(-1).cpu()  # [B, 1, n]: blocks holding real tokens
+        return self.table[mask].unique()
+
+    def submit_prefetch(self) -> None:
+        """Start fetching the predicted records on the offloader's worker (no-op when off or staged)."""
+        if not self.prefetch_enabled or self._pending is not None or self._staged is not None:
+            return
+        ids = self.predicted_ids()
+        if ids.numel():
+            self._pending = self.offloader.submit(self._prefetch_job, ids)
+
+    def _prefetch_job(self, ids: torch.Tensor) -> tuple:
+        """Worker thread: read ``ids`` and move them to the device (side stream + event on CUDA)."""
+        t0 = time.perf_counter()
+        host = self.store.read(ids)
+        event = None
+        if self.device.type == "cuda":
+            stream = self.offloader.stream(self.device)
+            with torch.cuda.stream(stream):
+                data = host.to(self.device, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+        else:
+            data = host
+        return ids, data, event, host, time.perf_counter() - t0
+
+    def _wait_pending(self) -> None:
+        """Wait for the prefetch in flight, if any, and stage its result (a failed one is dropped:
+        its blocks become misses, read and checked synchronously)."""
+        if self._pending is None:
+            return
+        fut, self._pending = self._pending, None
+        try:
+            ids, data, event, host, busy = fut.result()
+        except Exception:  # noqa: BLE001 - a bad record is reported by the synchronous read
+            return
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+            data.record_stream(torch.cuda.current_stream(self.device))
+        self.stats.prefetched += ids.numel()
+        self.stats.bytes_moved += ids.numel() * self.layout.record_bytes
+        self.stats.fetch_s += busy
+        self._staged = (ids, data, torch.zeros(ids.numel(), dtype=torch.bool))
+
+    def drop_staging(self) -> None:
+        """Release staged records (counting those never used); a prefetch in flight is cancelled or
+        waited for."""
+        if self._pending is not None and self._pending.cancel():
+            self._pending = None
+        self._wait_pending()
+        if self._staged is not None:
+            self.stats.unused += int((~self._staged[2]).sum())
+            self._staged = None
+
+    # --- prediction ---------------------------------------------------------------------------
+    def observe(self, keep: torch.Tensor, scores: torch.Tensor) -> None:
+        """Record this step's selection ``keep: bool [B,H,R,n]`` and block scores ``[B,H,R,n]``."""
+        union = keep.any(2)
+        margin = self.policy.margin
+        if margin:
+            best = scores.amax(2).masked_fill(union, float("-inf"))  # [B,H,n]
+            k = min(margin, best.shape[-1])
+            top = best.topk(k, dim=-1)
+            extra = torch.zeros_like(union).scatter(-1, top.indices, torch.isfinite(top.values))
+            union = union | extra
+        union = union.cpu()
+        self._observed = union if self._observed is None else self._observed | union
+
+    def end_step(self) -> None:
+        """The layer's attention is over: keep the prediction, release staging."""
+        if self._observed is not None:
+            self.predicted = self._observed
+            self._observed = None
+        self.drop_staging()
+        self.stats.calls += 1
