@@ -8,13 +8,16 @@
 from .attention import disable, enable, register
 from .cache import TieredCache, TieredLayer
 from .diagnostics import MemoryReport, memory_report
-from .policy import PRESETS, TierPolicy, get_policy
+from .offload import OffloadError
+from .policy import PRESETS, OffloadPolicy, TierPolicy, get_policy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PRESETS",
     "MemoryReport",
+    "OffloadError",
+    "OffloadPolicy",
     "TierPolicy",
     "TieredCache",
     "TieredLayer",

@@ -115,9 +115,8 @@ class MemoryReport:
             )
         for tier in TIERS:
             if self.per_tier.get(tier):
-                lines.append(
-                    f"  {tier:<6} {self.per_tier[tier] / mib:9.2f} MiB  {self.tokens.get(tier, 0):>9} token-slots"
-                )
+                slots = f"  {self.tokens[tier]:>9} token-slots" if tier in self.tokens else ""
+                lines.append(f"  {tier:<7} {self.per_tier[tier] / mib:9.2f} MiB{slots}")
         return "\n".join(lines)
 
 

@@ -27,7 +27,8 @@ BUILTIN: dict[str, dict[str, Any]] = {
     "smollm2-135m": {"num_hidden_layers": 30, "num_key_value_heads": 3, "head_dim": 64},
 }
 
-TIERS = ("sink", "hot", "warm", "cold", "other")
+TIERS = ("sink", "hot", "warm", "cold", "store", "other")  # "store": offloaded blocks (RAM or disk)
+TOKEN_TIERS = ("sink", "hot", "warm", "cold", "evicted")
 
 
 @dataclass
@@ -84,6 +85,16 @@ class Plan:
     def ratio(self) -> float:
         return self.total_bytes / self.fp16_bytes
 
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes in a block store (host RAM or disk)."""
+        return self.per_tier.get("store", 0)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes next to the compute: everything but the store."""
+        return self.total_bytes - self.offloaded_bytes
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "policy": self.policy,
@@ -91,7 +102,10 @@ class Plan:
             "batch": self.batch,
             "fp16_bytes": self.fp16_bytes,
             "total_bytes": self.total_bytes,
+            "resident_bytes": self.resident_bytes,
+            "offloaded_bytes": self.offloaded_bytes,
             "ratio": self.ratio,
+            "resident_ratio": self.resident_bytes / self.fp16_bytes,
             "per_tier": self.per_tier,
             "tokens": self.tokens,
         }
@@ -117,7 +131,12 @@ def layer_plan(policy: TierPolicy, n: int, B: int, H: int, D: int, dtype: torch.
         tokens["sink"] = policy.sink_tokens
     if warm_cap:
         nbytes["warm"] = warm_codec.nbytes(B, H, warm_cap, T, D) + B * warm_cap * T
-    if cold_blocks:
+    if cold_blocks and policy.cold == "offload":
+        from .offload.tier import planned_bytes
+
+        nbytes["cold"], nbytes["store"] = planned_bytes(policy, B, H, cold_blocks, D, storage_dtype(policy, dtype))
+        tokens["cold"] = cold_blocks * T
+    elif cold_blocks:
         if cold_codec is None:
             tokens["evicted"] = cold_blocks * T
         else:
@@ -138,7 +157,7 @@ def plan(
     pol = get_policy(policy)
     B, H, D, n = batch, shape.kv_heads, shape.head_dim, seq_len
     per_tier = dict.fromkeys(TIERS, 0)
-    tokens = dict.fromkeys((*TIERS[:-1], "evicted"), 0)
+    tokens = dict.fromkeys(TOKEN_TIERS, 0)
     fp16 = 0
     for i, kind in enumerate(shape.layer_types):
         if kind == "full_attention":
@@ -152,15 +171,18 @@ def plan(
             held = min(n, shape.sliding_window or n)
             per_tier["other"] += 2 * B * H * held * D * torch.empty((), dtype=dtype).element_size()
             fp16 += 2 * B * H * held * D * 2
-    if not per_tier["other"]:
-        del per_tier["other"]
+    for optional in ("store", "other"):
+        if not per_tier[optional]:
+            del per_tier[optional]
     return Plan(pol.name, seq_len, batch, fp16, per_tier, tokens)
 
 
 def format_plans(shape: ModelShape, plans: list[Plan]) -> str:
     """A readable table of plans (GB = 1e9 bytes)."""
     gb = 1e9
-    head = f"{'policy':<16}" + "".join(f"{t:>10}" for t in TIERS[:-1]) + f"{'total GB':>11}{'vs fp16':>9}"
+    head = (
+        f"{'policy':<16}" + "".join(f"{t:>10}" for t in TIERS[:-1]) + f"{'total GB':>11}{'vs fp16':>9}{'resident':>10}"
+    )
     lines = [
         f"{shape.name}: {shape.num_layers} layers x {shape.kv_heads} KV heads x head_dim {shape.head_dim}, "
         f"{plans[0].seq_len} tokens x batch {plans[0].batch}",
@@ -170,7 +192,8 @@ def format_plans(shape: ModelShape, plans: list[Plan]) -> str:
     ]
     for p in plans:
         row = "".join(f"{p.per_tier.get(t, 0) / gb:>10.3f}" for t in TIERS[:-1])
-        lines.append(f"{p.policy:<16}{row}{p.total_bytes / gb:>11.3f}{p.ratio:>9.3f}")
+        resident = p.resident_bytes / p.fp16_bytes
+        lines.append(f"{p.policy:<16}{row}{p.total_bytes / gb:>11.3f}{p.ratio:>9.3f}{resident:>10.3f}")
     return "\n".join(lines)
 
 

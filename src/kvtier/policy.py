@@ -109,6 +109,10 @@ class OffloadPolicy:
     mass : keep a row's highest-scoring blocks until the resident tokens (exact mass) plus the kept
         blocks (estimated mass) cover this fraction of the row's estimated attention mass;
         ``None``: no mass cut (with ``max_blocks=None`` too: every block, exact attention).
+        The default 0.9999 is deliberately conservative because 1-bit estimates have heavy
+        tails: on SmolLM2 at 4k tokens (decode rows) it keeps 80% of a row's blocks (92% of a
+        KV head's union) and misses 0.035% of the true attention mass on average (worst row
+        5%); 0.999 keeps 63% (81%) but misses 0.31% on average and up to 38% in the worst row.
     max_blocks : at most this many cold blocks per query row (``None``: no cap).
     min_blocks : at least this many (the best-scoring) cold blocks per query row.
     local_window : blocks overlapping the last ``local_window`` tokens before a query are always
@@ -120,9 +124,9 @@ class OffloadPolicy:
     backend: str = "cpu"
     path: str | None = None
     store_bits: int | None = None
-    mass: float | None = 0.999
+    mass: float | None = 0.9999
     max_blocks: int | None = None
-    min_blocks: int = 4
+    min_blocks: int = 8
     local_window: int = 0
     prefetch: bool = True
     margin: int = 4

@@ -273,10 +273,90 @@ def use_kernel(rows: torch.Tensor) -> bool:
     return cpu.available()
 
 
+#: Tokens decoded at a time by :func:`chunked_partial`.
+DECODE_CHUNK_TOKENS = 1024
+
+
+def _flash_lse_op():
+    """torch's fused CPU flash attention that also returns the log-sum-exp (a private aten op:
+    used when present and behaving as expected, else None and the plain path is taken)."""
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is None:
+        return None
+    try:
+        q, k = torch.ones(1, 1, 2, 8), torch.ones(1, 1, 3, 8)
+        out, lse = op(q, k, k, 0.0, False, attn_mask=torch.zeros(1, 1, 1, 3), scale=1.0)[:2]
+        ok = lse.shape == (1, 1, 2) and torch.allclose(lse, torch.full_like(lse, 8 + torch.log(torch.tensor(3.0))))
+    except (RuntimeError, TypeError):
+        return None
+    return op if ok else None
+
+
+_FLASH_LSE = _flash_lse_op()
+
+
+def _flash_chunks(rows, fields, codec, dim: int, step: int) -> Partial:
+    """Per chunk of decoded blocks: fused flash attention with lse, then the LSE merge."""
+    B, H, R, D = rows.shape
+    parts = []
+    for c in range(0, fields["valid"].shape[2], step):
+        f = {name: t[:, :, c : c + step] for name, t in fields.items()}
+        k = codec.decode_keys(f, dim, torch.float32).reshape(B, H, -1, D)
+        v = codec.decode_values(f, dim, torch.float32).reshape(B, H, -1, D)
+        valid = f["valid"].reshape(B, 1, 1, -1)
+        bias = torch.zeros(valid.shape).masked_fill_(~valid, NEG_INF)
+        out, lse = _FLASH_LSE(rows, k, v, 0.0, False, attn_mask=bias, scale=1.0)[:2]
+        empty = ~valid.any(-1)  # [B,1,1]: the op reports lse 0 for rows with nothing to attend
+        parts.append(Partial(out.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, NEG_INF)))
+    return Partial(merge(parts), torch.logsumexp(torch.stack([p.lse for p in parts]), 0))
+
+
+def chunked_partial(
+    rows: torch.Tensor,
+    fields: dict[str, torch.Tensor],
+    codec: KBitCodec | SignCodec,
+    dim: int,
+    block_mask: torch.Tensor | None = None,
+    select=None,
+) -> Partial:
+    """Attention over a tier for many query rows (prefill chunks): keys, then values, are decoded
+    ``DECODE_CHUNK_TOKENS`` at a time and multiplied in dense GEMMs, which beats reading the packed
+    codes per row when rows are many; the tier is never decoded as a whole. Same semantics as
+    :func:`kbit_partial` (``block_mask``, ``select``)."""
+    B, H, R, D = rows.shape
+    n, T = fields["valid"].shape[2:4]
+    step = max(1, DECODE_CHUNK_TOKENS // T)
+    if block_mask is None and select is None and rows.is_cpu and _FLASH_LSE is not None:
+        return _flash_chunks(rows, fields, codec, dim, step)
+    scores = torch.empty(B, H, R, n * T, device=rows.device)
+    for c in range(0, n, step):
+        f = {name: t[:, :, c : c + step] for name, t in fields.items()}
+        k = codec.decode_keys(f, dim, torch.float32)  # [B,H,b,T,D]
+        torch.matmul(rows, k.reshape(B, H, -1, D).transpose(-1, -2), out=scores[..., c * T : (c + step) * T])
+    valid = fields["valid"].reshape(B, -1, 1, n * T)
+    if block_mask is not None:
+        valid = valid & block_mask.repeat_interleave(T, dim=-1)
+    scores.masked_fill_(~valid, NEG_INF)
+    p, lse = _softmax_parts(scores)
+    if select is not None:
+        p = p * select(scores)
+        total = p.sum(-1, keepdim=True)
+        p = p / torch.where(total > 0, total, torch.ones_like(total))
+    out = rows.new_zeros(B, H, R, D)
+    for c in range(0, n, step):
+        f = {name: t[:, :, c : c + step] for name, t in fields.items()}
+        v = codec.decode_values(f, dim, torch.float32)
+        out += p[..., c * T : (c + step) * T] @ v.reshape(B, H, -1, D)
+    return Partial(out, lse)
+
+
 def tier_partial(rows, fields, codec, dim, block_mask=None, select=None) -> Partial:
-    """Attention over a whole tier: the fused kernel where it applies, else batched torch ops."""
+    """Attention over a whole tier: the fused kernel for few rows (decode), chunked decoding + GEMMs
+    for many rows (prefill), the bit-plane torch path otherwise."""
     if block_mask is None and select is None and use_kernel(rows):
         return kernel_partial(rows, fields, codec, dim)
+    if rows.shape[2] > KERNEL_MAX_ROWS:
+        return chunked_partial(rows, fields, codec, dim, block_mask, select)
     if isinstance(codec, KBitCodec):
         return kbit_partial(rows, fields, codec, dim, block_mask, select)
     return sign_partial(rows, fields, codec, dim, block_mask, select)

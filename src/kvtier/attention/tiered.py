@@ -10,6 +10,7 @@ import torch
 
 from ..cache.layer import TieredLayer
 from ..diagnostics import SparseStats
+from ..kernels.cpu import available as cpu_kernel_available
 from .mask import KVMask
 from .partials import Partial, exact_partial, from_rows, kernel_partial, merge, tier_partial, to_rows, use_kernel
 from .reference import reference_attention
@@ -84,7 +85,7 @@ def _token_sparse_parts(layer: TieredLayer, rows: torch.Tensor, row_pos: torch.T
         total = t.codec.nbytes(B, H, t.nblocks, T, D)
         vbytes = _value_bytes_per_token(t, D)
         real_tokens = int(t.fields["valid"].sum()) * H
-        if use_kernel(rows) and rows.is_cpu:
+        if rows.is_cpu and cpu_kernel_available():  # the kernel selects in C++: faster at any row count
             forced_from = row_pos - sp.local_window + 1
             part = kernel_partial(rows, t.fields, t.codec, D, select=(sp.method, sp.level, forced_from, start))
             scored, valued, read_tokens = (int(x) for x in part.counts.sum(0))

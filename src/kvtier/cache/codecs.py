@@ -59,14 +59,18 @@ class KBitCodec:
         }
 
     def decode(self, f: dict[str, torch.Tensor], dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        kq = unpack_bits(f["k_codes"], self.bits, dim)
-        k = dequantize_kbit(kq, f["k_scale"], f["k_zero"], dtype)
+        return self.decode_keys(f, dim, dtype), self.decode_values(f, dim, dtype)
+
+    def decode_keys(self, f: dict[str, torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_kbit(unpack_bits(f["k_codes"], self.bits, dim), f["k_scale"], f["k_zero"], dtype)
+
+    def decode_values(self, f: dict[str, torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Tensor:
         vq = unpack_bits(f["v_codes"], self.bits, dim)
         B, H, n, T, D = vq.shape
         G = self.value_group
         vq = vq.reshape(B, H, n, T, D // G, G)
         v = dequantize_kbit(vq, f["v_scale"].unsqueeze(-1), f["v_zero"].unsqueeze(-1), dtype)
-        return k, v.reshape(B, H, n, T, D)
+        return v.reshape(B, H, n, T, D)
 
     def nbytes(self, B: int, H: int, n: int, T: int, D: int) -> int:
         codes = B * H * n * T * packed_size(D, self.bits)
@@ -107,17 +111,20 @@ class SignCodec:
         }
 
     def decode(self, f: dict[str, torch.Tensor], dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decode_keys(f, dim, dtype), self.decode_values(f, dim, dtype)
+
+    def decode_keys(self, f: dict[str, torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Tensor:
         k = dequantize_sign(unpack_bits(f["k_signs"], 1, dim), f["k_scale"], f["k_mean"])
+        return (k @ rotation(dim, k.device).T if self.rotate else k).to(dtype)
+
+    def decode_values(self, f: dict[str, torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Tensor:
         vs = unpack_bits(f["v_signs"], 1, dim)
         B, H, n, T, D = vs.shape
         G = self.value_group
         v = dequantize_sign(
             vs.reshape(B, H, n, T, D // G, G), f["v_scale"].unsqueeze(-1), f["v_mean"].unsqueeze(-1)
         ).reshape(B, H, n, T, D)
-        if self.rotate:
-            r = rotation(D, k.device)
-            k, v = k @ r.T, v @ r.T
-        return k.to(dtype), v.to(dtype)
+        return (v @ rotation(dim, v.device).T if self.rotate else v).to(dtype)
 
     def nbytes(self, B: int, H: int, n: int, T: int, D: int) -> int:
         signs = B * H * n * T * packed_size(D, 1)

@@ -14,6 +14,10 @@ Data flow per forward call:
 
 Token index ranges (shared by all rows): evicted ``[0, e)``, cold ``[e, e + C)``, warm next,
 hot ``[hot_start, seen)``. Per-row validity masks exclude pads and captured sinks.
+
+With ``cold="offload"`` the cold tier is a :class:`~kvtier.offload.tier.OffloadTier` (same
+interface: resident key sketches and a block table over a block store in host RAM or on disk),
+and attention goes through :mod:`kvtier.offload.attention`.
 """
 
 from __future__ import annotations

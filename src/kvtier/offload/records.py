@@ -71,15 +71,17 @@ class RecordLayout:
         return torch.cat(cols, dim=1)
 
     def decode(self, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """uint8 ``[m, record_bytes]`` -> ``k, v: [m, T, D]`` in ``dtype``."""
+        """uint8 ``[m, record_bytes]`` (contiguous) -> ``k, v: [m, T, D]`` in ``dtype`` (exact
+        records: views of ``data``)."""
         m = data.shape[0]
+        if self.bits is None:  # views, no copy: k then v, each [T, D] per record
+            kv = data.view(self.dtype).view(m, 2, self.block_tokens, self.head_dim)
+            return kv[:, 0], kv[:, 1]
         out, start = {}, 0
         for name, shape, dt in self.fields():
             size = math.prod(shape) * torch.empty((), dtype=dt).element_size()
             out[name] = data[:, start : start + size].contiguous().view(dt).reshape(m, *shape)
             start += size
-        if self.bits is None:
-            return out["k"], out["v"]
         fields = {name: t.reshape(m, 1, 1, *t.shape[1:]) for name, t in out.items()}
         k, v = self.codec.decode(fields, self.head_dim, self.dtype)
         return k.reshape(m, self.block_tokens, self.head_dim), v.reshape(m, self.block_tokens, self.head_dim)

@@ -6,9 +6,10 @@ An offloading layer writes each cold block of each (row, KV head) as one *record
 and several rows may then share a record, so nothing is rewritten in place; records no row
 refers to any more are freed and their ids reused, lowest first.
 
-Storage grows in *slabs* of records whose sizes follow :func:`slab_sizes` (doubling from
-``SLAB_MIN_RECORDS`` up to ``SLAB_MAX_BYTES`` per slab), so the planner can price a store exactly
-(:func:`store_capacity`) and nothing is ever copied when the pool grows.
+Storage grows in *slabs* of records whose sizes follow :func:`slab_sizes` (``SLAB_MIN_RECORDS``,
+or an eighth of the capacity so far, up to ``SLAB_MAX_BYTES`` per slab: at most ~12% unused
+slots, few files), so the planner can price a store exactly (:func:`store_capacity`) and nothing
+is ever copied when the pool grows.
 
 Backends
 --------
@@ -30,10 +31,11 @@ import os
 import weakref
 import zlib
 
+import numpy as np
 import torch
 
 BACKENDS = ("cpu", "disk")
-#: The first slab holds this many records; each later slab as many as all before it ...
+#: A slab holds at least this many records, else an eighth of the capacity so far ...
 SLAB_MIN_RECORDS = 16
 #: ... up to this many bytes per slab.
 SLAB_MAX_BYTES = 8 << 20
@@ -58,7 +60,7 @@ def slab_sizes(records: int, record_bytes: int) -> list[int]:
     sizes: list[int] = []
     total = 0
     while total < records:
-        size = min(cap, max(SLAB_MIN_RECORDS, total))
+        size = min(cap, max(SLAB_MIN_RECORDS, total // 8))
         sizes.append(size)
         total += size
     return sizes
@@ -212,16 +214,27 @@ class BlockStore:
                 self._live[i] = 0
                 heapq.heappush(self._free, i)
 
-    def _locate(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.tensor(self._starts, dtype=torch.long)
-        slab = torch.searchsorted(starts, ids, right=True) - 1
-        return slab, ids - starts[slab]
+    def _runs(self, ids: torch.Tensor) -> list[tuple[int, int, int, int]]:
+        """``(start, end, slab, first_slot)`` of each run of consecutive ids (in the given order)
+        within one slab: records are moved a run at a time (one memcpy). Plain numpy: these are a
+        few hundred integers, not worth torch's thread pool."""
+        x = ids.numpy()
+        slab = np.searchsorted(np.asarray(self._starts), x, side="right") - 1
+        brk = np.ones(x.size, dtype=bool)
+        brk[1:] = (x[1:] != x[:-1] + 1) | (slab[1:] != slab[:-1])
+        starts = np.flatnonzero(brk)
+        ends = np.append(starts[1:], x.size)
+        first = x[starts] - np.asarray(self._starts)[slab[starts]]
+        return list(zip(starts.tolist(), ends.tolist(), slab[starts].tolist(), first.tolist()))
 
-    def _slab_view(self, s: int) -> torch.Tensor:
-        """uint8 ``[S, record_bytes]`` over slab ``s`` (a view of the mapping for disk: drop it soon)."""
+    def _slab_view(self, s: int) -> np.ndarray:
+        """uint8 ``[S, record_bytes]`` array over slab ``s`` (a view of the mapping for disk: drop it
+        soon). Copies go through numpy: one single-threaded memcpy per run, which is what moving
+        records needs (torch would split each copy over its intra-op threads, which only costs
+        when the cores are busy with the model)."""
         if self.backend == "cpu":
-            return self._slabs[s]
-        return torch.frombuffer(self._maps[s], dtype=torch.uint8).view(-1, self.record_bytes)
+            return self._slabs[s].numpy()
+        return np.frombuffer(self._maps[s], dtype=np.uint8).reshape(-1, self.record_bytes)
 
     # --- data -------------------------------------------------------------------------------
     def write(self, ids: torch.Tensor, data: torch.Tensor) -> None:
@@ -230,12 +243,14 @@ class BlockStore:
             raise ValueError(f"data must be uint8 [{ids.numel()}, {self.record_bytes}], got {data.dtype} {data.shape}")
         self._check_live(ids)
         data = data.detach().to("cpu").contiguous()
-        slab, local = self._locate(ids)
-        for s in slab.unique().tolist():
-            sel = (slab == s).nonzero().flatten()
-            view = self._slab_view(s)
-            view.index_copy_(0, local[sel], data[sel])
-            del view
+        src = data.numpy()
+        views: dict[int, np.ndarray] = {}
+        for a, b, s, lo in self._runs(ids):
+            view = views.get(s)
+            if view is None:
+                view = views[s] = self._slab_view(s)
+            view[lo : lo + b - a] = src[a:b]
+        views.clear()  # drop views of the mappings
         if self._crc is not None:
             rows = data.numpy()
             crc = [zlib.crc32(rows[i]) for i in range(rows.shape[0])]
@@ -252,19 +267,21 @@ class BlockStore:
             out = torch.empty(ids.numel(), self.record_bytes, dtype=torch.uint8, pin_memory=self.pin)
         if ids.numel() == 0:
             return out
-        slab, local = self._locate(ids)
-        for s in slab.unique().tolist():
-            sel = (slab == s).nonzero().flatten()
-            view = self._slab_view(s)
-            out[sel] = view.index_select(0, local[sel])
-            del view
+        dst = out.numpy()
+        views: dict[int, np.ndarray] = {}
+        for a, b, s, lo in self._runs(ids):
+            view = views.get(s)
+            if view is None:
+                view = views[s] = self._slab_view(s)
+            dst[a:b] = view[lo : lo + b - a]
+        views.clear()
         if self._crc is not None:
             rows = out.numpy()
             crc = torch.tensor([zlib.crc32(rows[i]) for i in range(rows.shape[0])], dtype=torch.int64)
             bad = (crc.to(torch.int32) != self._crc[ids]).nonzero().flatten()
             if bad.numel():
                 recs = ids[bad].tolist()
-                files = sorted({self._paths[int(slab[i])] for i in bad.tolist()})
+                files = sorted({self._paths[s] for _, _, s, _ in self._runs(ids[bad])})
                 raise RecordError(f"record(s) {recs} failed the crc32 check (file {', '.join(files)})", recs)
         return out
 

@@ -27,7 +27,7 @@ from ..policy import TierPolicy
 from .prefetch import Offloader
 from .records import RecordLayout
 from .sketch import KeySketch
-from .store import BlockStore, OffloadError, RecordError
+from .store import BlockStore, OffloadError, RecordError, store_capacity
 
 
 class OffloadTier:
@@ -56,6 +56,8 @@ class OffloadTier:
     ):
         op = policy.offload
         assert op is not None
+        if offloader.closed:
+            raise OffloadError("this cache was closed; build a new TieredCache")
         self.policy = op
         self.block_tokens = policy.block_tokens
         self.head_dim = head_dim
@@ -176,7 +178,7 @@ class OffloadTier:
         return torch.where(blocks >= 0, ids, torch.full_like(ids, -1))
 
     def fetch(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact K/V of ``blocks: int64 [B, H, k]`` (``-1`` = none, returned as zeros).
+        """Exact K/V of ``blocks: int64 [B, H, k]`` (``-1`` = none: arbitrary data, mask it).
 
         Returns
         -------
@@ -185,15 +187,15 @@ class OffloadTier:
         ids = self.record_ids(blocks)
         present = ids >= 0
         uniq, inverse = ids[present].unique(return_inverse=True)
-        data = self._load(uniq)
-        kd, vd = self.layout.decode(data)  # [m, T, D]
         B, H, k = ids.shape
-        T, D = self.block_tokens, self.head_dim
-        idx = torch.full((B, H, k), uniq.numel(), dtype=torch.long)
+        if not uniq.numel():
+            z = torch.zeros(B, H, k, self.block_tokens, self.head_dim, dtype=self.layout.dtype, device=self.device)
+            return z, z
+        kd, vd = self.layout.decode(self._load(uniq))  # [m, T, D]
+        idx = torch.zeros(B, H, k, dtype=torch.long)  # absent slots read record 0: callers mask them
         idx[present] = inverse
         idx = idx.to(kd.device)
-        pad = kd.new_zeros(1, T, D)
-        return torch.cat([kd, pad])[idx], torch.cat([vd, pad])[idx]
+        return kd[idx], vd[idx]
 
     def _load(self, ids: torch.Tensor) -> torch.Tensor:
         """Records ``ids`` (sorted, unique) as uint8 ``[m, record_bytes]`` on the device: staged hits
@@ -204,20 +206,27 @@ class OffloadTier:
         self._wait_pending()
         stall = time.perf_counter() - t0
         hit = torch.zeros(m, dtype=torch.bool)
-        out = torch.empty(m, self.layout.record_bytes, dtype=torch.uint8, device=self.device)
+        pos = None
         if self._staged is not None and m and self._staged[0].numel():
             staged_ids, staged, used = self._staged
             pos = torch.searchsorted(staged_ids, ids).clamp(max=staged_ids.numel() - 1)
             hit = staged_ids[pos] == ids
-            if hit.any():
-                out[hit.to(self.device)] = staged[pos[hit].to(staged.device)]
-                used[pos[hit]] = True
+            used[pos[hit]] = True
         misses = ids[~hit]
-        if misses.numel():
+        if not misses.numel():  # all staged
+            out = staged.index_select(0, pos.to(staged.device))
+        else:
             t1 = time.perf_counter()
-            out[(~hit).to(self.device)] = self._read(misses).to(self.device)
+            read = self._read(misses).to(self.device)
             stall += time.perf_counter() - t1
             st.bytes_moved += misses.numel() * self.layout.record_bytes
+            if misses.numel() == m:
+                out = read
+            else:
+                out = torch.empty(m, self.layout.record_bytes, dtype=torch.uint8, device=self.device)
+                hits = hit.nonzero().flatten()
+                out[hits.to(self.device)] = staged[pos[hits].to(staged.device)]
+                out[(~hit).nonzero().flatten().to(self.device)] = read
         st.needed += m
         st.hits += int(hit.sum())
         st.misses += int(misses.numel())
@@ -313,3 +322,23 @@ class OffloadTier:
             self._observed = None
         self.drop_staging()
         self.stats.calls += 1
+
+
+def planned_bytes(policy: TierPolicy, B: int, H: int, n: int, D: int, dtype: torch.dtype) -> tuple[int, int]:
+    """``(resident, offloaded)`` bytes of an offloaded tier holding ``n`` blocks per (row, KV head)
+    with distinct records (no beams), after at least one attention (the planner's formula).
+
+    Resident: sketches, validity ``B*n*T``, block table ``8*B*H*n``, prediction ``B*H*n`` and, on
+    disk, an int32 checksum per store slot; offloaded: the store's slots.
+    """
+    from ..cache.layer import value_group
+
+    op = policy.offload
+    assert op is not None
+    T = policy.block_tokens
+    layout = RecordLayout(T, D, dtype, op.store_bits, value_group(policy, D))
+    slots = store_capacity(B * H * n, layout.record_bytes) if n else 0
+    resident = KeySketch(policy.cold_rotation).nbytes(B, H, n, T, D) + B * n * T + 8 * B * H * n + B * H * n
+    if op.backend == "disk":
+        resident += 4 * slots
+    return resident, slots * layout.record_bytes

@@ -1,0 +1,87 @@
+"""Combine results files (ppl, fidelity, recall, bench) into the per-context tables of BENCHMARKS.md.
+
+    python benchmarks/summarize.py results/ppl-*.json results/fidelity-*.json results/recall-*.json \
+        results/bench-*.json
+
+One table per context length: perplexity per book, mean Δperplexity vs the full cache, KL and
+top-1 agreement with the full cache, recall accuracy (at that context), KV bytes vs fp16 and vs the
+full cache, decode tokens/s vs the full cache. Prints markdown, then the commands of the runs.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+
+from kvtier.eval.report import merge_docs
+from kvtier.eval.results import load
+
+
+def main(paths: list[str]) -> None:
+    docs = {d["kind"]: d for d in merge_docs([load(p) for p in paths])}
+    ppl = docs.get("ppl", {"rows": []})["rows"]
+    fid = docs.get("fidelity", {"rows": []})["rows"]
+    rec = docs.get("recall", {"rows": []})["rows"]
+    bench = docs.get("bench", {"rows": []})["rows"]
+    contexts = sorted({r["context"] for r in ppl})
+    texts = list(dict.fromkeys(r["text"] for r in ppl))
+    caches = list(dict.fromkeys(r["cache"] for r in ppl + bench))
+    for ctx in contexts:
+        print(f"\n### {ctx} tokens\n")
+        head = [
+            "cache",
+            *[f"ppl {t}" for t in texts],
+            "Δppl %",
+            "KL nats/tok",
+            "top-1",
+            "recall",
+            "KV vs fp16",
+            "KV vs full",
+            "decode tok/s vs full",
+        ]
+        print("| " + " | ".join(head) + " |")
+        print("|" + "---|" * len(head))
+        for c in caches:
+            prow = {r["text"]: r for r in ppl if r["cache"] == c and r["context"] == ctx}
+            if not prow:
+                continue
+            frow = [r for r in fid if r["cache"] == c and r["context"] == ctx]
+            recall = [r for r in rec if r["cache"] == c and r["context"] == ctx]
+            brow = [r for r in bench if r["cache"] == c and r["context"] == ctx]
+            full = [r for r in ppl if r["cache"] == "dynamic" and r["context"] == ctx]
+            mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+            kv_full = mean([r["kv_bytes"] for r in full])
+            cells = [
+                c,
+                *[f"{prow[t]['ppl']:.3f}" if t in prow else "" for t in texts],
+                f"{mean([r['dppl_pct'] for r in prow.values()]):+.2f}",
+                f"{mean([r['kl'] for r in frow]):.4f}" if frow else "",
+                f"{mean([r['top1'] for r in frow]):.3f}" if frow else "",
+                f"{sum(r['correct'] for r in recall)}/{sum(r['total'] for r in recall)}" if recall else "",
+                f"{mean([r['kv_bytes'] / r['dense_fp16_bytes'] for r in prow.values()]):.3f}",
+                f"{mean([r['kv_bytes'] for r in prow.values()]) / kv_full:.3f}",
+                f"{brow[0]['decode_tok_s_ratio']:.2f}" if brow else "",
+            ]
+            print("| " + " | ".join(cells) + " |")
+    if rec:
+        print("\n### Recall by depth (correct / cases)\n")
+        ctxs = sorted({r["context"] for r in rec})
+        depths = sorted({r["depth"] for r in rec})
+        cells = defaultdict(lambda: [0, 0])
+        for r in rec:
+            cells[(r["cache"], r["context"], r["depth"])][0] += r["correct"]
+            cells[(r["cache"], r["context"], r["depth"])][1] += r["total"]
+        head = ["cache", *[f"{c} @{d:.0%}" for c in ctxs for d in depths]]
+        print("| " + " | ".join(head) + " |")
+        print("|" + "---|" * len(head))
+        for c in dict.fromkeys(r["cache"] for r in rec):
+            row = [f"{cells[(c, x, d)][0]}/{cells[(c, x, d)][1]}" for x in ctxs for d in depths]
+            print("| " + " | ".join([c, *row]) + " |")
+    print("\nCommands:\n")
+    for doc in docs.values():
+        for cmd in doc["commands"]:
+            print(f"- `{cmd}`")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

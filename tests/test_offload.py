@@ -1,0 +1,495 @@
+"""Cold-tier offload: the block store (RAM and disk), checksums and clean-up, beam-safe block tables,
+sketch-based selection with exact attention over the fetched blocks, prefetch accounting, generation,
+and the resident / offloaded memory split against the planner."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+
+import pytest
+import torch
+
+import kvtier
+from conftest import tiny_llama
+from kvtier import OffloadError, OffloadPolicy, TieredCache, TierPolicy
+from kvtier.attention.mask import KVMask
+from kvtier.attention.reference import reference_attention
+from kvtier.attention.tiered import tiered_attention
+from kvtier.cache.layer import TieredLayer
+from kvtier.diagnostics import reachable_tensor_bytes
+from kvtier.offload.records import RecordLayout
+from kvtier.offload.sketch import KeySketch, block_lse, block_lse_torch
+from kvtier.offload.store import BlockStore, RecordError, slab_sizes, store_capacity
+from kvtier.plan import ModelShape, plan
+
+
+def off_policy(hot=9, block=7, sinks=3, warm=0, dtype="model", **offload) -> TierPolicy:
+    """Small tiers (sizes off the grid) so short sequences cross every boundary."""
+    return TierPolicy(
+        hot_tokens=hot,
+        warm_tokens=warm,
+        block_tokens=block,
+        sink_tokens=sinks,
+        value_group_size=4,
+        cold="offload",
+        exact_dtype=dtype,
+        offload=OffloadPolicy(**offload),
+        layer_overrides={},
+    )
+
+
+def build_layer(policy, B=3, H=2, D=12, chunks=(37, 11, 3, 20, 2), pads=(0, 7, 30), seed=0, q=1):
+    """A standalone layer fed like the attention path does (update, settle), the last ``q``
+    tokens left in hot as the current query's keys."""
+    g = torch.Generator().manual_seed(seed)
+    layer = TieredLayer(policy)
+    chunks = [*chunks, q]
+    total = sum(chunks)
+    keys = torch.randn(B, H, total, D, generator=g) * torch.linspace(0.2, 3, D) + torch.randn(D, generator=g)
+    values = torch.randn(B, H, total, D, generator=g)
+    valid = torch.arange(total)[None, :] >= torch.tensor(pads[:B])[:, None]
+    pos = 0
+    for c in chunks:
+        layer.update(keys[:, :, pos : pos + c], values[:, :, pos : pos + c], kwargs={})
+        pos += c
+        if pos < total:
+            layer.settle(valid[:, :pos])
+    return layer, keys, values, valid
+
+
+def mask_for(valid, q):
+    B, N = valid.shape
+    return KVMask(B, q, N, N - q, 0, None if bool(valid.all()) else valid, True)
+
+
+def exact_reference(keys, values, valid, query, scaling):
+    """Plain causal attention over all tokens in fp64: ``[B, q, Hq, D]``."""
+    B, Hq, q, D = query.shape
+    H = keys.shape[1]
+    N = keys.shape[2]
+    k = keys.double().repeat_interleave(Hq // H, 1)
+    v = values.double().repeat_interleave(Hq // H, 1)
+    s = (query.double() * scaling) @ k.transpose(-1, -2)
+    causal = torch.arange(N)[None, :] <= (N - q + torch.arange(q))[:, None]
+    allowed = causal[None, None] & valid[:, None, None, :]
+    s = s.masked_fill(~allowed, float("-inf"))
+    return (torch.softmax(s, -1).nan_to_num(0.0) @ v).transpose(1, 2)
+
+
+# --- store ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["cpu", "disk"])
+def test_store_round_trip_and_ids(backend, tmp_path):
+    store = BlockStore(40, backend, str(tmp_path), name="t")
+    g = torch.Generator().manual_seed(0)
+    ids = store.allocate(50)  # crosses slabs (16, 16, 16, 16)
+    assert ids.tolist() == list(range(50)) and store.capacity == store_capacity(50, 40) == 64
+    data = torch.randint(0, 256, (50, 40), dtype=torch.uint8, generator=g)
+    store.write(ids, data)
+    order = torch.randperm(50, generator=g)
+    assert torch.equal(store.read(ids[order]), data[order])
+    store.free(torch.tensor([3, 17, 5]))
+    assert store.live == 47
+    assert store.allocate(2).tolist() == [3, 5]  # lowest free ids first
+    with pytest.raises(RecordError, match=r"\[17\]"):
+        store.read(torch.tensor([17]))  # freed: missing
+    assert store.nbytes == 64 * 40
+    if backend == "disk":
+        assert len(store.files()) == 4 and all(os.path.getsize(f) == 16 * 40 for f in store.files())
+    store.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_slab_growth_rule():
+    assert slab_sizes(1, 100) == [16]
+    sizes = slab_sizes(1000, 100)
+    assert sum(sizes) >= 1000 and sum(sizes[:-1]) < 1000
+    assert sum(sizes) <= 1.13 * 1000 + 16  # at most ~1/8 spare
+    assert max(slab_sizes(10**5, 1 << 20)) == 8  # slab capped at 8 MiB
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_record_layout_round_trip(bits):
+    layout = RecordLayout(7, 12, torch.float16, bits, 4)
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(2, 3, 4, 7, 12, generator=g), torch.randn(2, 3, 4, 7, 12, generator=g)
+    valid = torch.ones(2, 1, 4, 7, dtype=torch.bool)
+    data = layout.encode(k, v, valid)
+    assert data.shape == (24, layout.record_bytes)
+    kd, vd = layout.decode(data)
+    ref_k, ref_v = k.reshape(24, 7, 12), v.reshape(24, 7, 12)
+    if bits is None:
+        assert torch.equal(kd, ref_k.half()) and torch.equal(vd, ref_v.half())
+    else:
+        tol = 0.1 if bits == 8 else 1.0
+        assert (kd.float() - ref_k).abs().max() < tol and (vd.float() - ref_v).abs().max() < tol
+
+
+def test_corrupted_block_names_layer_block_and_record(tmp_path):
+    layer, *_ = build_layer(off_policy(backend="disk", path=str(tmp_path)))
+    tier = layer.cold
+    rid = int(tier.table[1, 0, 2])
+    path = tier.store.files()[0]
+    with open(path, "r+b") as f:  # flip one byte of record rid
+        f.seek(rid * tier.store.record_bytes + 5)
+        byte = f.read(1)
+        f.seek(rid * tier.store.record_bytes + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(OffloadError, match=rf"layer 0: cold block 2 \(row 1, KV head 0\), record {rid}.*crc32"):
+        tier.dense(torch.float32)
+    with pytest.raises(OffloadError, match=rf"cold block 2 .* record {rid}"):
+        tiered_attention(layer, torch.randn(3, 4, 1, 12), None, 0.3)
+
+
+def test_missing_block_is_named(tmp_path):
+    layer, *_ = build_layer(off_policy())
+    tier = layer.cold
+    rid = int(tier.table[0, 1, 1])
+    tier.store.free(torch.tensor([rid]))  # the table still points at it
+    with pytest.raises(OffloadError, match=rf"layer 0: cold block 1 \(row 0, KV head 1\), record {rid}.*missing"):
+        tier.dense(torch.float32)
+
+
+def test_missing_directory_raises_at_construction(tmp_path, model):
+    missing = tmp_path / "nope"
+    pol = off_policy(backend="disk", path=str(missing))
+    with pytest.raises(OffloadError, match=str(missing)):
+        TieredCache(model.config, pol)
+    with pytest.raises(OffloadError, match="does not exist"):
+        TieredLayer(pol)
+
+
+def test_read_only_directory_raises_at_construction(tmp_path, model):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("running as root: chmod does not make the directory read-only")
+        with pytest.raises(OffloadError, match=rf"{ro}.*not writable"):
+            TieredCache(model.config, off_policy(backend="disk", path=str(ro)))
+    finally:
+        ro.chmod(0o755)
+
+
+def test_full_disk_names_directory(tmp_path, monkeypatch):
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full, raising=False)
+    store = BlockStore(64, "disk", str(tmp_path))
+    with pytest.raises(OffloadError, match=rf"no space left .* in '{tmp_path}'"):
+        store.allocate(1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _disk_files(root):
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+def test_no_files_after_close_or_gc(tmp_path, model):
+    pol = off_policy(hot=16, block=8, sinks=4, backend="disk", path=str(tmp_path))
+    ids = torch.randint(3, 97, (2, 60))
+    with kvtier.enable(model), torch.no_grad():
+        with TieredCache(model.config, pol) as cache:
+            model(ids, cache=cache)
+            model(ids[:, :1], cache=cache)
+            assert _disk_files(tmp_path)
+            report = cache.memory_report()
+            assert report.offloaded_bytes == sum(p.stat().st_size for p in _disk_files(tmp_path))
+        assert list(tmp_path.iterdir()) == []  # closed on leaving the with block
+        cache = TieredCache(model.config, pol)
+        model(ids, cache=cache)
+        model(ids[:, :1], cache=cache)
+    assert _disk_files(tmp_path)
+    del cache
+    gc.collect()
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- tables and beams --------------------------------------------------------------------------
+def test_reorder_permutes_block_tables_without_moving_data():
+    layer, *_ = build_layer(off_policy(), pads=(0, 0, 0))
+    tier = layer.cold
+    old_table = tier.table.clone()
+    k_all, v_all, _ = tier.dense(torch.float32)
+    ptrs = [s.data_ptr() for s in tier.store._slabs]
+    live = tier.store.live
+    idx = torch.tensor([2, 0, 0])
+    layer.reorder_cache(idx)
+    assert torch.equal(tier.table, old_table[idx])
+    assert [s.data_ptr() for s in tier.store._slabs] == ptrs  # no data moved
+    k_new, v_new, _ = tier.dense(torch.float32)
+    assert torch.equal(k_new, k_all[idx]) and torch.equal(v_new, v_all[idx])
+    # row 1's records are referenced by nobody now: freed; rows 1 and 2 share row 0's records
+    assert tier.store.live == live - old_table[1].numel() == int(tier.table.unique().numel())
+    new = layer.cold.store.allocate(1)
+    assert int(new) in old_table[1].flatten().tolist()  # reused
+    # appends after a reorder get fresh records, never overwrite a shared one
+    layer.update(torch.randn(3, 2, 7, 12), torch.randn(3, 2, 7, 12), kwargs={})
+    layer.settle(None)
+    assert torch.equal(tier.dense(torch.float32)[0][:, :, : k_new.shape[2]], k_new)
+
+
+# --- selection and attention -------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["cpu", "disk"])
+@pytest.mark.parametrize("gqa,q", [(1, 1), (3, 1), (2, 5)])
+def test_unlimited_budget_equals_exact_attention(backend, gqa, q, tmp_path):
+    """Every block fetched: the result is exact attention over all tokens (fp32 storage)."""
+    extra = {"path": str(tmp_path)} if backend == "disk" else {}
+    pol = off_policy(mass=None, min_blocks=0, backend=backend, **extra)
+    layer, keys, values, valid = build_layer(pol, q=q, seed=gqa)
+    query = torch.randn(3, 2 * gqa, q, 12, generator=torch.Generator().manual_seed(3))
+    out = tiered_attention(layer, query, mask_for(valid, q), 0.3)
+    ref = exact_reference(keys, values, valid, query, 0.3)
+    real = valid[:, -q:]  # [B, q]: rows of real (non-pad) queries
+    assert (out.double() - ref)[real].abs().max() < 1e-5
+    assert layer.cold.stats.needed > 0 and layer.cold.stats.misses == layer.cold.stats.needed  # nothing predicted yet
+
+
+def test_unlimited_budget_with_warm_tier_and_8bit_store_matches_reference():
+    pol = off_policy(warm=14, mass=None, min_blocks=0, store_bits=8)
+    layer, _, _, valid = build_layer(pol, q=2)
+    assert layer.warm.nblocks and layer.cold.nblocks
+    query = torch.randn(3, 4, 2, 12)
+    fast = tiered_attention(layer, query, mask_for(valid, 2), 0.3)
+    ref = reference_attention(layer, query, mask_for(valid, 2), 0.3)  # decodes every stored block
+    assert (fast - ref).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("budget", [dict(mass=0.6, min_blocks=1), dict(mass=None, max_blocks=2, min_blocks=0)])
+def test_limited_budget_drops_exactly_the_unselected_blocks(budget, monkeypatch):
+    import kvtier.offload.attention as oa
+
+    pol = off_policy(**budget)
+    layer, keys, values, valid = build_layer(pol, q=3)
+    chosen = {}
+    select = oa.select_offloaded
+
+    def spy(*args, **kw):
+        chosen["keep"] = select(*args, **kw)
+        return chosen["keep"]
+
+    monkeypatch.setattr(oa, "select_offloaded", spy)
+    B, H, gqa, q, D = 3, 2, 2, 3, 12
+    query = torch.randn(B, H * gqa, q, D, generator=torch.Generator().manual_seed(4))
+    out = tiered_attention(layer, query, mask_for(valid, q), 0.3)
+    keep = chosen["keep"]  # [B, H, R, n]
+    n = layer.cold.nblocks
+    assert keep.any() and not keep.all()
+    # reference: exact attention where each row sees sinks, hot and only its kept cold blocks
+    T = pol.block_tokens
+    cold_len = n * T
+    allowed_cold = keep.repeat_interleave(T, -1) & layer.cold.fields["valid"].reshape(B, 1, 1, -1)
+    s_k, s_v = layer.sinks.k.double(), layer.sinks.v.double()
+    c_k, c_v, _ = layer.cold.dense(torch.float64)
+    h_k, h_v = (t.double() for t in layer.hot.view())
+    k = torch.cat([s_k, c_k, h_k], 2)
+    v = torch.cat([s_v, c_v, h_v], 2)
+    rows = query.double().reshape(B, H, gqa * q, D) * 0.3
+    hot_pos = layer.hot_start + torch.arange(layer.hot.length)
+    q_pos = (layer.seen - q + torch.arange(q)).repeat(gqa)
+    allowed_hot = (hot_pos[None, :] <= q_pos[:, None])[None, None] & valid[:, None, None, layer.hot_start :]
+    allowed = torch.cat(
+        [
+            layer.sinks.valid()[:, None, None, :].expand(B, H, gqa * q, -1),
+            allowed_cold,
+            allowed_hot.expand(B, H, -1, -1),
+        ],
+        -1,
+    )
+    assert allowed.shape[-1] == k.shape[2] and cold_len == c_k.shape[2]
+    s = (rows @ k.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
+    ref = (torch.softmax(s, -1).nan_to_num(0.0) @ v).reshape(B, H * gqa, q, D).transpose(1, 2)
+    real = valid[:, -q:]
+    assert (out.double() - ref)[real].abs().max() < 1e-5
+    if budget.get("max_blocks"):
+        assert int(keep.sum(-1).max()) <= budget["max_blocks"]
+
+
+def test_select_offloaded_rule():
+    from kvtier.offload.attention import select_offloaded
+
+    # resident mass 0.5, blocks 0.3, 0.15, 0.04, 0.01 (of the total); one empty block
+    lse = torch.log(torch.tensor([0.04, 0.3, 0.01, 0.15, 0.0]))[None, None, None]
+    res = torch.log(torch.tensor([0.5]))[None, None]
+    keep = select_offloaded(lse, res, OffloadPolicy(mass=0.9, min_blocks=0))
+    assert keep.flatten().tolist() == [False, True, False, True, False]  # 0.5 + 0.3 + 0.15 >= 0.9
+    keep = select_offloaded(lse, res, OffloadPolicy(mass=0.99, min_blocks=0, max_blocks=2))
+    assert keep.flatten().tolist() == [False, True, False, True, False]
+    keep = select_offloaded(lse, res, OffloadPolicy(mass=0.5, min_blocks=3))
+    assert keep.flatten().tolist() == [True, True, False, True, False]
+    forced = torch.tensor([False, False, True, False, True])
+    keep = select_offloaded(lse, res, OffloadPolicy(mass=0.4, min_blocks=0), forced)
+    assert keep.flatten().tolist() == [False, False, True, False, False]  # empty never kept
+
+
+@pytest.mark.parametrize("D,T,R", [(12, 7, 1), (16, 8, 5), (64, 64, 3)])
+def test_sketch_kernel_equals_torch(D, T, R):
+    from kvtier.kernels import sketch_cpu
+
+    if not sketch_cpu.available():
+        pytest.skip("sketch kernel could not be built here")
+    g = torch.Generator().manual_seed(D)
+    sk = KeySketch(rotate=True)
+    k = torch.randn(2, 3, 9, T, D, generator=g) * torch.linspace(0.2, 3, D)
+    valid = torch.rand(2, 1, 9, T, generator=g) > 0.3
+    valid[0, 0, 4] = False  # an empty block
+    f = sk.encode(k, valid)
+    f["valid"] = valid
+    rows = torch.randn(2, 3, R, D, generator=g)
+    a, b = block_lse_torch(rows, f, sk), block_lse(rows, f, sk)
+    assert torch.equal(torch.isinf(a), torch.isinf(b)) and torch.isinf(a[0, :, :, 4]).all()
+    assert (a - b).nan_to_num(0.0, 0.0, 0.0).abs().max() < 1e-4
+    assert sum(t.numel() * t.element_size() for n, t in f.items() if n != "valid") == sk.nbytes(2, 3, 9, T, D)
+
+
+def test_sketch_ranks_an_outlier_block_first():
+    """A block holding a key aligned with the query must get the highest estimate."""
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 1, 6, 16, 32, generator=g)
+    q = torch.randn(1, 1, 1, 32, generator=g)
+    k[0, 0, 3, 5] = 4 * q[0, 0, 0] / q.norm()
+    sk = KeySketch()
+    f = sk.encode(k, torch.ones(1, 1, 6, 16, dtype=torch.bool))
+    f["valid"] = torch.ones(1, 1, 6, 16, dtype=torch.bool)
+    assert int(block_lse(q, f, sk).argmax()) == 3
+
+
+# --- in the model: prefetch, generation, reports ------------------------------------------------
+SMALL = dict(hot=16, block=8, sinks=4)
+
+
+def _stream(model, cache, ids, chunk=16, decode=12):
+    outs = []
+    with kvtier.enable(model), torch.no_grad():
+        for s in range(0, ids.shape[1], chunk):
+            outs.append(model(ids[:, s : s + chunk], cache=cache).logits)
+        tok = outs[-1][:, -1:].argmax(-1)
+        for _ in range(decode):
+            logits = model(tok, cache=cache).logits
+            outs.append(logits)
+            tok = logits[:, -1:].argmax(-1)
+    return torch.cat(outs, 1)
+
+
+def test_prefetch_on_and_off_identical_and_stats_add_up(model):
+    ids = torch.randint(3, 97, (2, 96), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for on in (True, False):
+        cache = TieredCache(model.config, off_policy(**SMALL, mass=0.9, min_blocks=1, prefetch=on))
+        runs[on] = (_stream(model, cache, ids), cache.offload_stats())
+        rb = cache.layers[0].cold.layout.record_bytes
+    assert torch.equal(runs[True][0], runs[False][0])
+    on, off = runs[True][1], runs[False][1]
+    for st in (on, off):
+        assert st.hits + st.misses == st.needed > 0
+        assert st.blocks_moved == st.prefetched + st.misses
+        assert st.bytes_moved == st.blocks_moved * rb
+        assert st.calls == 4 * (96 // 16 + 12 - 2)  # every layer call from the third on (cold exists)
+    assert off.hits == off.prefetched == 0 and off.needed == on.needed
+    assert on.hit_rate > 0.8 and on.prefetched - on.unused == on.hits
+    d = on.to_dict()
+    assert {"hit_rate", "blocks_moved", "bytes_moved", "stall_s"} <= d.keys()
+
+
+@pytest.mark.parametrize("mode", ["greedy", "beam", "padded"])
+def test_generate_with_offload(model, mode, tmp_path):
+    kw: dict = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    if mode == "padded":
+        ids = torch.randint(3, 97, (3, 70), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones_like(ids)
+        for b, n in enumerate([70, 40, 55]):
+            ids[b, : 70 - n] = 0
+            mask[b, : 70 - n] = 0
+        kw.update(input_ids=ids, attention_mask=mask)
+    else:
+        kw["input_ids"] = torch.randint(3, 97, (1, 70), generator=torch.Generator().manual_seed(1))
+    if mode == "beam":
+        kw.update(num_beams=3, num_return_sequences=2)
+    unlimited = off_policy(**SMALL, mass=None, min_blocks=0, backend="disk", path=str(tmp_path))
+    with kvtier.enable(model):
+        exact = model.generate(cache=TieredCache(model.config, "exact"), **kw)
+        cache = TieredCache(model.config, unlimited)
+        out = model.generate(cache=cache, **kw)
+        limited = model.generate(cache=TieredCache(model.config, off_policy(**SMALL, mass=0.9)), **kw)
+    assert out.shape == exact.shape == limited.shape
+    assert torch.equal(out, exact)  # every block fetched exactly: the same tokens as the exact cache
+    tier = cache.layers[1].cold
+    assert tier.nblocks > 0 and cache.offload_stats().needed > 0
+    if mode == "beam":  # beams share the records of their common prefix
+        assert tier.store.live == int(tier.table.unique().numel()) < tier.table.numel()
+    cache.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("backend", ["cpu", "disk"])
+def test_memory_report_splits_resident_and_offloaded(model, backend, tmp_path):
+    extra = {"path": str(tmp_path)} if backend == "disk" else {}
+    cache = TieredCache(model.config, off_policy(**SMALL, backend=backend, **extra))
+    with kvtier.enable(model), torch.no_grad():
+        model(torch.randint(3, 97, (2, 150)), cache=cache)
+        model(torch.randint(3, 97, (2, 1)), cache=cache)
+    r = cache.memory_report()
+    stores = [layer.cold.store for layer in cache.layers]
+    assert r.offloaded_bytes == r.per_tier["store"] == sum(s.nbytes for s in stores) > 0
+    assert r.total_bytes == r.resident_bytes + r.offloaded_bytes
+    disk = sum(p.stat().st_size for p in _disk_files(tmp_path)) if backend == "disk" else 0
+    assert r.total_bytes == reachable_tensor_bytes(cache) + disk
+    assert r.resident_bytes == sum(b for t, b in r.per_tier.items() if t != "store")
+    assert r.resident_bytes < r.offloaded_bytes  # the exact blocks left; sketches stayed
+    assert "staging" not in r.per_tier  # nothing is staged between steps
+    cache.close()
+
+
+@pytest.mark.parametrize("seq,batch", [(150, 1), (1000, 2)])
+@pytest.mark.parametrize("store_bits,backend", [(None, "disk"), (4, "cpu")])
+def test_plan_matches_report(seq, batch, store_bits, backend, tmp_path):
+    model = tiny_llama(num_hidden_layers=2)
+    extra = {"path": str(tmp_path)} if backend == "disk" else {}
+    pol = off_policy(hot=64, block=64, sinks=32, dtype="half", store_bits=store_bits, backend=backend, **extra)
+    cache = TieredCache(model.config, pol)
+    ids = torch.randint(3, 97, (batch, seq))
+    with kvtier.enable(model), torch.no_grad():
+        for s in range(0, seq, 700):
+            model(ids[:, s : s + 700], cache=cache)
+    report = cache.memory_report()
+    planned = plan(ModelShape("tiny", ["full_attention"] * 2, 2, 16), seq, pol, batch, torch.float32)
+    assert planned.offloaded_bytes == report.offloaded_bytes
+    assert abs(planned.resident_bytes - report.resident_bytes) <= 0.02 * report.resident_bytes
+    assert abs(planned.total_bytes - report.total_bytes) <= 0.02 * report.total_bytes
+    cache.close()
+
+
+# --- policy ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("backend", "s3"),
+        ("store_bits", 2),
+        ("mass", 1.5),
+        ("max_blocks", 0),
+        ("min_blocks", -1),
+        ("margin", 1.5),
+        ("prefetch", "yes"),
+        ("path", 3),
+    ],
+)
+def test_offload_policy_validation(field, value):
+    with pytest.raises(ValueError) as err:
+        OffloadPolicy(**{field: value})
+    assert str(err.value).startswith(f"{field}={value!r} is not allowed: expected")
+
+
+def test_tier_policy_offload_consistency():
+    with pytest.raises(ValueError, match="offload=.*None unless cold='offload'"):
+        TierPolicy(cold="sign", offload=OffloadPolicy())
+    with pytest.raises(ValueError, match="path='/x' is not allowed: expected None unless backend='disk'"):
+        OffloadPolicy(path="/x")
+    from kvtier.policy import SparsePolicy
+
+    with pytest.raises(ValueError, match="sparse="):
+        TierPolicy(cold="offload", sparse=SparsePolicy())
+    assert TierPolicy(cold="offload").offload == OffloadPolicy()
+    assert kvtier.get_policy("offload-disk").offload.backend == "disk"
