@@ -32,6 +32,7 @@ VARIANTS = {
     "tokens-mass0.99": BASE.replace(sparse=SparsePolicy(64, "tokens", "mass", 0.99)),
     "tokens-mass0.95": BASE.replace(sparse=SparsePolicy(64, "tokens", "mass", 0.95)),
     "tokens-quantile0.2": BASE.replace(sparse=SparsePolicy(64, "tokens", "quantile", 0.2)),
+    "blocks-bound0.99": BASE.replace(sparse=SparsePolicy(64, "blocks", "bound", 0.99)),
 }
 
 

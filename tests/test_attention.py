@@ -298,3 +298,53 @@ def test_token_sparse_kernel_equals_torch_path(method, level, name, monkeypatch)
     assert (results["torch"][0] - results["kernel"][0]).abs().max() < 1e-4
     assert results["torch"][1] == results["kernel"][1]
     assert results["kernel"][1]["value_skipped_fraction"] > 0
+
+
+def test_select_blocks_bound_rule_is_a_guarantee():
+    """method='bound' drops blocks only while the *upper bounds* of their mass sum to <= 1 - level,
+    so the true mass dropped never exceeds 1 - level (here checked against exact scores)."""
+    from kvtier.attention.sparse import select_blocks
+
+    g = torch.Generator().manual_seed(0)
+    B, H, R, n, T = 2, 3, 5, 40, 8
+    scores = torch.randn(B, H, R, n, T, generator=g) * 3 - torch.linspace(0, 12, n)[:, None]
+    exact = torch.randn(B, H, R, 16, generator=g) * 3 + 4  # sinks + hot
+    bounds = scores.amax(-1) + torch.rand(B, H, R, n, generator=g)  # valid (loose) upper bounds
+    exact_lse = exact.logsumexp(-1)
+    total = torch.logsumexp(torch.cat([exact, scores.flatten(-2)], -1), -1)
+    counts = torch.full((1, 1, 1, n), T)
+    for level in (0.9, 0.99, 0.999):
+        sp = SparsePolicy(local_window=0, select="blocks", method="bound", level=level, min_blocks=0)
+        keep = select_blocks(bounds, sp, torch.zeros(1, dtype=torch.bool), T, counts=counts, exact_lse=exact_lse)
+        dropped = (scores.logsumexp(-1) - total.unsqueeze(-1)).exp() * ~keep
+        assert (dropped.sum(-1) <= 1 - level + 1e-6).all()
+        assert (~keep).any()  # the rule does drop blocks when their bounds are low
+    with pytest.raises(ValueError, match="bound"):
+        select_blocks(bounds, sp, torch.zeros(1, dtype=torch.bool), T)
+
+
+@pytest.mark.parametrize("name", ["int4+sign", "int2+int3"])
+def test_bound_sparse_attention_error_is_bounded(name):
+    """End to end: with dropped mass <= eps, the output moves by at most 2 eps max|v| from the reference."""
+    eps = 0.05
+    policy = POLICIES[name].replace(
+        sparse=SparsePolicy(0, "blocks", "bound", 1 - eps, min_blocks=0), value_group_size=8
+    )
+    layer, valid = build_layer(policy, 2, 2, 16, [90, 1], [0, 7])
+    query = torch.randn(2, 6, 1, 16) * 3
+    mask = mask_for(valid, 1)
+    fast = tiered_attention(layer, query, mask, 0.3)
+    ref = reference_attention(layer, query, mask, 0.3)
+    assert layer.sparse_stats.valued < layer.sparse_stats.pairs  # some blocks were dropped
+    vmax = max(float(t.abs().max()) for t in _decoded_values(layer))
+    assert (fast - ref).abs().max() <= 2 * eps * vmax + 1e-4
+
+
+def _decoded_values(layer):
+    out = [layer.hot.view()[1]]
+    if layer.sinks.v is not None:
+        out.append(layer.sinks.v)
+    for t in (layer.cold, layer.warm):
+        if t is not None and t.nblocks:
+            out.append(t.codec.decode_values(t.fields, layer.hot.view()[1].shape[-1], torch.float32))
+    return out

@@ -158,12 +158,20 @@ def _floats(text: str) -> list[float]:
 
 
 def _caches(text: str) -> list[str]:
-    from .eval.caches import all_cache_names
+    from .eval.caches import all_cache_names, cache_spec
 
     names = all_cache_names() if text == "all" else text.split(",")
-    bad = [n for n in names if n not in all_cache_names() and n.removesuffix(":reference") not in PRESETS]
+    bad = []
+    for n in names:
+        try:
+            cache_spec(n)
+        except ValueError:
+            bad.append(n)
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown caches {bad}: expected 'all' or some of {all_cache_names()}")
+        raise argparse.ArgumentTypeError(
+            f"unknown caches {bad}: expected 'all' or some of {all_cache_names()} (a preset may take the suffix"
+            " ':reference' or ':dense')"
+        )
     if "dynamic" not in names:
         names = ["dynamic", *names]
     return names
@@ -191,9 +199,18 @@ def _finish(kind: str, rows: list, config: dict, args: argparse.Namespace, out: 
     doc = make_results(kind, rows, config)
     out = Path(out or args.out or f"results/{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     save(doc, out)
+    out.with_suffix(".partial.json").unlink(missing_ok=True)
     pngs = [] if args.no_plots else plots_for(doc, out.with_suffix(""))
     print(f"wrote {out}" + "".join(f", {p}" for p in pngs), file=sys.stderr)
     return 0
+
+
+def _save_partial(kind: str, rows: list, config: dict, out: str | None) -> None:
+    """Rows so far of a long run, next to its results file (``<out>.partial.json``; removed at the end)."""
+    from .eval.results import make_results, save
+
+    if out:
+        save(make_results(kind, rows, {**config, "partial": True}), Path(out).with_suffix(".partial.json"))
 
 
 def _print_rows(rows: list[dict], keys: list[str]) -> None:
@@ -209,7 +226,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     config = {"model": args.model, "caches": [s.name for s in specs], "texts": list(texts), "contexts": args.contexts}
     if args.task in ("ppl", "fidelity"):
         config.update(chunk=args.chunk, windows=args.windows)
-        ppl_rows, fid_rows = run_stream(model, tok, texts, args.contexts, specs, args.windows, args.chunk)
+
+        def checkpoint(ppl_part: list[dict], fid_part: list[dict]) -> None:
+            _save_partial(args.task, ppl_part if args.task == "ppl" else fid_part, config, args.out)
+            if args.task == "ppl" and args.fidelity_out:
+                _save_partial("fidelity", fid_part, config, args.fidelity_out)
+
+        ppl_rows, fid_rows = run_stream(
+            model, tok, texts, args.contexts, specs, args.windows, args.chunk, checkpoint=checkpoint
+        )
         rows = ppl_rows if args.task == "ppl" else fid_rows
         keys = (
             ["cache", "text", "context", "ppl", "dppl_pct", "kv_ratio_fp16"]
@@ -218,7 +243,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
         )
     else:
         config.update(depths=args.depths, samples=args.samples, prefill_chunk=args.prefill_chunk)
-        rows = run_recall(model, tok, texts, args.contexts, args.depths, specs, args.samples, args.prefill_chunk)
+        rows = run_recall(
+            model,
+            tok,
+            texts,
+            args.contexts,
+            args.depths,
+            specs,
+            args.samples,
+            args.prefill_chunk,
+            checkpoint=lambda part: _save_partial(args.task, part, config, args.out),
+        )
         keys = ["cache", "context", "depth", "correct", "total"]
     _print_rows(rows, keys)
     status = _finish(args.task, rows, config, args)
@@ -235,7 +270,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     text = next(iter(texts.values()))
     rows = run_bench(model, tok, text, args.contexts, specs, args.new_tokens, args.rounds)
     _print_rows(
-        rows, ["cache", "context", "prefill_s", "decode_tok_s", "decode_tok_s_ratio", "kv_bytes", "peak_rss_mb"]
+        rows,
+        ["cache", "context", "prefill_s", "decode_tok_s", "decode_tok_s_ratio", "kv_ratio_fp16", "peak_rss_mb"],
     )
     config = {
         "model": args.model,

@@ -38,17 +38,40 @@ def block_bounds(rows: torch.Tensor, tier: BlockTier) -> torch.Tensor:
     return bound.masked_fill(empty.unsqueeze(2), float("-inf"))
 
 
-def select_blocks(bounds: torch.Tensor, policy: SparsePolicy, forced: torch.Tensor, block_tokens: int) -> torch.Tensor:
+def select_blocks(
+    bounds: torch.Tensor,
+    policy: SparsePolicy,
+    forced: torch.Tensor,
+    block_tokens: int,
+    counts: torch.Tensor | None = None,
+    exact_lse: torch.Tensor | None = None,
+) -> torch.Tensor:
     """bool ``[B,H,R,n]``: blocks each row keeps.
 
     Parameters
     ----------
     bounds : ``[B,H,R,n]`` block scores (-inf for empty blocks).
     forced : bool broadcastable to ``bounds``: blocks always kept (local window).
+    counts : real tokens per block, broadcastable to ``bounds`` (``"bound"`` only).
+    exact_lse : ``[B,H,R]`` log-sum-exp of the tokens attended exactly (sinks, hot) (``"bound"`` only).
+
+    ``"bound"`` is a guarantee, not an estimate: since ``bounds`` are upper bounds of every score in
+    their block, a block's softmax mass is at most ``counts * exp(bound - lse_total)`` and
+    ``lse_total >= exact_lse``. Blocks are dropped from the lowest bound up while the sum of those
+    upper bounds stays within ``1 - level``: the mass dropped is at most ``1 - level`` of the row's.
     """
     n = bounds.shape[-1]
     finite = torch.isfinite(bounds)
-    if policy.method == "topk":
+    if policy.method == "bound":
+        if counts is None or exact_lse is None:
+            raise ValueError("method='bound' needs counts and exact_lse")
+        ub = torch.exp(bounds - exact_lse.unsqueeze(-1)) * counts  # upper bound of each block's mass
+        ub = torch.where(finite, ub, torch.zeros_like(ub))
+        order = bounds.masked_fill(~finite, float("-inf")).argsort(dim=-1)  # ascending
+        cum = ub.gather(-1, order).cumsum(-1)
+        drop_sorted = cum <= (1 - policy.level)
+        keep = ~torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    elif policy.method == "topk":
         k = min(n, max(policy.min_blocks, math.ceil(policy.level * n)))
         kth = bounds.topk(k, dim=-1).values[..., -1:]
         keep = bounds >= kth

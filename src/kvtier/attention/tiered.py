@@ -44,19 +44,21 @@ def _attend(layer: TieredLayer, query: torch.Tensor, q_pos: torch.Tensor, paddin
         parts.append(exact_partial(rows, layer.sinks.k, layer.sinks.v, sink_valid[:, None, None, :]))
         if stats is not None:
             stats.dense(int(sink_valid.sum()) * H * R)
-    tiers = [t for t in (layer.cold, layer.warm) if t is not None and t.nblocks]
-    row_pos = q_pos.repeat(Hq // H)  # position of each row
-    if sp is not None and sp.select == "blocks" and tiers:
-        parts += _block_sparse_parts(layer, rows, row_pos, tiers, stats)
-    elif sp is not None and tiers:
-        parts += _token_sparse_parts(layer, rows, row_pos, tiers, stats)
-    else:
-        parts += [tier_partial(rows, t.fields, t.codec, D) for t in tiers]
     hk, hv = layer.hot.view()
     allowed = _hot_allowed(layer, q_pos, padding, Hq // H)
     parts.append(exact_partial(rows, hk, hv, allowed))
     if stats is not None:
         stats.dense(int(allowed.sum()) * H * (B if allowed.shape[0] == 1 else 1))
+    tiers = [t for t in (layer.cold, layer.warm) if t is not None and t.nblocks]
+    row_pos = q_pos.repeat(Hq // H)  # position of each row
+    if sp is not None and sp.select == "blocks" and tiers:
+        exact_lse = torch.logsumexp(torch.stack([p.lse for p in parts]), 0)  # sinks + hot
+        parts += _block_sparse_parts(layer, rows, row_pos, tiers, stats, exact_lse)
+    elif sp is not None and tiers:
+        parts += _token_sparse_parts(layer, rows, row_pos, tiers, stats)
+    else:
+        parts += [tier_partial(rows, t.fields, t.codec, D) for t in tiers]
+    if stats is not None:
         layer.sparse_stats.add(stats)
     return from_rows(merge(parts), Hq, q)
 
@@ -111,8 +113,11 @@ def _token_sparse_parts(layer: TieredLayer, rows: torch.Tensor, row_pos: torch.T
     return parts
 
 
-def _block_sparse_parts(layer: TieredLayer, rows: torch.Tensor, row_pos: torch.Tensor, tiers, stats: SparseStats):
-    """Partials over the blocks each row selects by Quest bounds (see :mod:`kvtier.attention.sparse`)."""
+def _block_sparse_parts(
+    layer: TieredLayer, rows: torch.Tensor, row_pos: torch.Tensor, tiers, stats: SparseStats, exact_lse: torch.Tensor
+):
+    """Partials over the blocks each row selects by Quest bounds (see :mod:`kvtier.attention.sparse`);
+    ``exact_lse [B,H,R]`` is the log-sum-exp of the exact tokens (sinks, hot), for ``method="bound"``."""
     sp = layer.policy.sparse
     T = layer.policy.block_tokens
     D = rows.shape[-1]
@@ -123,7 +128,8 @@ def _block_sparse_parts(layer: TieredLayer, rows: torch.Tensor, row_pos: torch.T
         ends.append(start + T * torch.arange(1, t.nblocks + 1, device=rows.device))
         sizes.append(t.nblocks)
     forced = torch.cat(ends)[None, None, None, :] > (row_pos - sp.local_window)[None, None, :, None]
-    keep = select_blocks(torch.cat(bounds, dim=-1), sp, forced, T)
+    counts = torch.cat([t.fields["valid"].sum(-1) for t in tiers], dim=-1).unsqueeze(2)  # [B,1,1,n]
+    keep = select_blocks(torch.cat(bounds, dim=-1), sp, forced, T, counts=counts, exact_lse=exact_lse)
     parts = []
     for t, keep_t in zip(tiers, keep.split(sizes, dim=-1)):
         blocks, row_mask = union_blocks(keep_t)

@@ -5,7 +5,8 @@ transformers' ``QuantizedCache`` (optimum-quanto backend, extra ``kvtier[baselin
 kvtier preset (``default``, ``kivi2``, ``sink-window``, ...) is a :class:`~kvtier.TieredCache`.
 A :class:`~kvtier.TierPolicy` object is accepted too (sweeps). A preset name with the suffix
 ``:reference`` runs kvtier's reference attention (every tier decoded, one SDPA call) instead of
-the fast path, e.g. ``default:reference``.
+the fast path, e.g. ``default:reference``; the suffix ``:dense`` runs the preset without its
+sparse attention (``default:dense``), the baseline the sparsity is measured against.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def cache_spec(name: str | TierPolicy) -> CacheSpec:
     base, _, path = name.partition(":")
     if base in PRESETS and path == "reference":
         return CacheSpec(name, PRESETS[base][1](), attention="reference")
+    if base in PRESETS and path == "dense":
+        return CacheSpec(name, PRESETS[base][1]().replace(sparse=None, name=name))
     raise ValueError(f"cache {name!r} is not allowed: expected one of {[*BASELINES, *PRESETS]}")
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from ..diagnostics import reachable_tensor_bytes
 from .caches import CacheSpec, Unavailable, cache_spec, kv_bytes
 from .perplexity import book_windows, stream_compare
 from .recall import build_case, run_case
@@ -45,15 +46,33 @@ def dense_fp16_bytes(model, tokens: int, batch: int = 1) -> int:
 
 
 def run_stream(
-    model, tok, texts: dict[str, str], contexts: list[int], specs: list[CacheSpec], windows: int = 1, chunk: int = 64
+    model,
+    tok,
+    texts: dict[str, str],
+    contexts: list[int],
+    specs: list[CacheSpec],
+    windows: int = 1,
+    chunk: int = 64,
+    checkpoint: Callable[[list[dict], list[dict]], None] | None = None,
 ) -> tuple[list[dict], list[dict]]:
-    """Streamed perplexity and fidelity rows, aggregated over windows per (cache, text, context)."""
+    """Streamed perplexity and fidelity rows, aggregated over windows per (cache, text, context).
+
+    Contexts run shortest first; ``checkpoint(ppl_rows, fid_rows)`` is called after each
+    (text, context) job so long runs leave usable partial results. Caches with sparse attention
+    add their work counters (:class:`kvtier.diagnostics.SparseStats`) to their ppl rows."""
+    from ..diagnostics import SparseStats
+
     ppl_rows, fid_rows = [], []
-    jobs = [(name, text, ctx) for name, text in texts.items() for ctx in contexts]
+    jobs = [(name, text, ctx) for ctx in sorted(contexts) for name, text in texts.items()]
     for name, text, ctx in progress(jobs, desc="windows"):
         totals: dict[str, dict[str, float]] = {}
+        sparse: dict[str, SparseStats] = {}
         for ids in book_windows(tok, text, ctx, count=windows):
-            scores = stream_compare(model, ids, specs, chunk=chunk)
+            built: dict[str, Any] = {}
+            scores = stream_compare(model, ids, specs, chunk=chunk, caches_out=built)
+            for cache_name, cache in built.items():
+                if getattr(getattr(cache, "policy", None), "sparse", None) is not None:
+                    sparse.setdefault(cache_name, SparseStats()).add(cache.sparse_stats())
             for cache, sc in scores.items():
                 t = totals.setdefault(cache, {"nll": 0.0, "kl": 0.0, "top1": 0, "tokens": 0, "kv_bytes": 0})
                 t["nll"] += sc.nll
@@ -79,6 +98,7 @@ def run_stream(
                     "dense_fp16_bytes": fp16,
                     "bytes_per_token": t["kv_bytes"] / (ctx - 1),
                     "kv_ratio_fp16": t["kv_bytes"] / fp16,
+                    **({"sparse": sparse[cache].to_dict()} if cache in sparse else {}),
                 }
             )
             fid_rows.append(
@@ -91,6 +111,8 @@ def run_stream(
                     "tokens_scored": t["tokens"],
                 }
             )
+        if checkpoint is not None:
+            checkpoint(ppl_rows, fid_rows)
     return ppl_rows, fid_rows
 
 
@@ -103,9 +125,10 @@ def run_recall(
     specs: list[CacheSpec],
     samples: int = 1,
     prefill_chunk: int = 512,
+    checkpoint: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
-    """Accuracy per (cache, context, depth) cell; every cache answers the same prompts."""
-    rows = []
+    """Accuracy per (cache, context, depth) cell; every cache answers the same prompts.
+    ``checkpoint(rows)`` gets the cells so far after every case."""
     text_list = list(texts.items())
     cells = [(ctx, d, s) for ctx in contexts for d in depths for s in range(samples)]
     counts: dict[tuple[str, int, float], list[int]] = {}
@@ -117,11 +140,16 @@ def run_recall(
             c = counts.setdefault((spec.name, ctx, depth), [0, 0])
             c[0] += int(r["correct"])
             c[1] += 1
-    for (cache, ctx, depth), (ok, total) in counts.items():
-        rows.append(
-            {"cache": cache, "context": ctx, "depth": depth, "correct": ok, "total": total, "accuracy": ok / total}
-        )
-    return rows
+        if checkpoint is not None:
+            checkpoint(_recall_rows(counts))
+    return _recall_rows(counts)
+
+
+def _recall_rows(counts: dict[tuple[str, int, float], list[int]]) -> list[dict]:
+    return [
+        {"cache": cache, "context": ctx, "depth": depth, "correct": ok, "total": total, "accuracy": ok / total}
+        for (cache, ctx, depth), (ok, total) in counts.items()
+    ]
 
 
 class PeakRSS:
@@ -170,67 +198,99 @@ class PeakRSS:
         return (self.peak - self.base) / 2**20
 
 
-@torch.no_grad()
-def bench_one(model, ids: torch.Tensor, spec: CacheSpec, new_tokens: int) -> dict[str, Any]:
-    """Prefill ``ids`` in one call, then decode ``new_tokens`` greedily; times and bytes."""
-    cache = spec.build(model)
-    cuda = torch.cuda.is_available() and ids.is_cuda
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    with spec.context(model), PeakRSS() as mem:
-        t0 = time.perf_counter()
-        out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
-        nxt = out.logits[:, -1:].argmax(-1)
-        if cuda:
+class _Bench:
+    """One cache under benchmark: prefilled once, then decoded in timed bursts."""
+
+    def __init__(self, model, ids: torch.Tensor, spec: CacheSpec):
+        self.model, self.spec = model, spec
+        self.cache = spec.build(model)
+        self.cuda = torch.cuda.is_available() and ids.is_cuda
+        self.decode_times: list[float] = []
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        with spec.context(model), PeakRSS() as mem, torch.no_grad():
+            t0 = time.perf_counter()
+            out = model(ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+            self.next = out.logits[:, -1:].argmax(-1)
+            self._sync()
+            self.prefill_s = time.perf_counter() - t0
+            self.decode(1)  # warm-up step (not timed into the rounds)
+        self.decode_times.clear()
+        self.mem = mem
+        self.largest_alloc = self._largest_allocation() if not self.cuda else None
+
+    def _largest_allocation(self) -> int:
+        """Largest single CPU allocation any op makes during one decode step (torch.profiler): a
+        dense copy of a layer's K/V would show up here as ``2 * kv_heads * tokens * head_dim * 4``."""
+        with self.spec.context(self.model), torch.no_grad(), torch.profiler.profile(profile_memory=True) as prof:
+            out = self.model(self.next, cache=self.cache, use_cache=True)
+        self.next = out.logits[:, -1:].argmax(-1)
+        return max((e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0), default=0)
+
+    def _sync(self) -> None:
+        if self.cuda:
             torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        for _ in range(new_tokens):
-            out = model(nxt, cache=cache, use_cache=True)
-            nxt = out.logits[:, -1:].argmax(-1)
-        if cuda:
-            torch.cuda.synchronize()
-        t2 = time.perf_counter()
-    row = {
-        "cache": spec.name,
-        "prefill_s": t1 - t0,
-        "decode_s": t2 - t1,
-        "decode_tok_s": new_tokens / (t2 - t1),
-        "ms_per_token": 1000 * (t2 - t1) / new_tokens,
-        "kv_bytes": kv_bytes(cache),
-        "peak_rss_mb": mem.peak_mb,
-        "rss_delta_mb": mem.delta_mb,
-    }
-    if cuda:
-        row["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    return row
+
+    def decode(self, new_tokens: int) -> None:
+        with self.spec.context(self.model), torch.no_grad():
+            t0 = time.perf_counter()
+            for _ in range(new_tokens):
+                out = self.model(self.next, cache=self.cache, use_cache=True)
+                self.next = out.logits[:, -1:].argmax(-1)
+            self._sync()
+            self.decode_times.append((time.perf_counter() - t0) / new_tokens)
+
+    def row(self) -> dict[str, Any]:
+        import statistics
+
+        per_token = statistics.median(self.decode_times)
+        row = {
+            "cache": self.spec.name,
+            "prefill_s": self.prefill_s,
+            "decode_s": sum(self.decode_times) / len(self.decode_times),
+            "decode_tok_s": 1 / per_token,
+            "ms_per_token": 1000 * per_token,
+            "kv_bytes": kv_bytes(self.cache),
+            "reachable_bytes": reachable_tensor_bytes(self.cache),
+            "peak_rss_mb": self.mem.peak_mb,
+            "rss_delta_mb": self.mem.delta_mb,
+        }
+        if self.largest_alloc is not None:
+            row["largest_alloc_bytes"] = self.largest_alloc
+        if hasattr(self.cache, "memory_report"):
+            report = self.cache.memory_report()
+            row.update(resident_bytes=report.resident_bytes, offloaded_bytes=report.offloaded_bytes)
+        if self.cuda:
+            row["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        return row
 
 
 def run_bench(
     model, tok, text: str, contexts: list[int], specs: list[CacheSpec], new_tokens: int = 32, rounds: int = 2
 ) -> list[dict]:
-    """Caches interleaved round-robin per context; median over rounds; ratios to ``dynamic``."""
-    import statistics
-
+    """Per context: every cache prefilled once (timed; peak RSS over its prefill), then decode
+    bursts of ``new_tokens`` interleaved round-robin over ``rounds``; median ms per token; ratios
+    to ``dynamic``."""
     rows = []
     for ctx in contexts:
         ids = book_windows(tok, text, ctx)[0].to(model.device)
-        runs: dict[str, list[dict]] = {}
-        for _ in progress(range(rounds), desc=f"bench {ctx}"):
-            for spec in specs:
-                runs.setdefault(spec.name, []).append(bench_one(model, ids, spec, new_tokens))
+        benches = [_Bench(model, ids, spec) for spec in progress(specs, desc=f"prefill {ctx}")]
+        for _ in progress(range(rounds), desc=f"decode {ctx}"):
+            for b in benches:
+                b.decode(new_tokens)
         med = {}
-        for name, rs in runs.items():
-            m = dict(rs[0])
-            for key in ("prefill_s", "decode_s", "decode_tok_s", "ms_per_token", "peak_rss_mb", "rss_delta_mb"):
-                m[key] = statistics.median(r[key] for r in rs)
-            m["context"] = ctx
-            m["new_tokens"] = new_tokens
-            m["rounds"] = rounds
-            med[name] = m
+        for b in benches:
+            m = b.row()
+            m.update(context=ctx, new_tokens=new_tokens, rounds=rounds)
+            med[b.spec.name] = m
+            if hasattr(b.cache, "close"):
+                b.cache.close()
+        del benches
         base = med.get("dynamic")
         for m in med.values():
             m["decode_tok_s_ratio"] = m["decode_tok_s"] / base["decode_tok_s"] if base else float("nan")
             m["kv_bytes_ratio"] = m["kv_bytes"] / base["kv_bytes"] if base else float("nan")
             m["dense_fp16_bytes"] = dense_fp16_bytes(model, ctx + new_tokens)
+            m["kv_ratio_fp16"] = m["kv_bytes"] / m["dense_fp16_bytes"]
             rows.append(m)
     return rows

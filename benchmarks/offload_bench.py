@@ -1,0 +1,112 @@
+"""Offload presets at decode time: tokens/s with prefetch on and off, hit rate, stall time, bytes
+moved, and resident vs offloaded bytes, side by side with the full cache and the default preset.
+
+Every cache gets the same 8k-token prompt (prefilled in chunks with --prefill-threads), then
+decodes greedily with --threads (default 1); caches are interleaved round-robin over --rounds and
+the median is reported. Block traffic is counted over the decode steps only.
+
+    python benchmarks/offload_bench.py --tokens 8192 --new-tokens 16 --rounds 2
+
+Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import torch
+
+from kvtier import get_policy
+from kvtier.eval.caches import CacheSpec, cache_spec
+from kvtier.eval.perplexity import book_windows
+from kvtier.eval.texts import load_texts
+from kvtier.models import load_model
+
+
+def offload_spec(preset: str, prefetch: bool) -> CacheSpec:
+    pol = get_policy(preset)
+    name = f"{preset}{'' if prefetch else ' (no prefetch)'}"
+    return CacheSpec(name, pol.replace(offload=dataclasses.replace(pol.offload, prefetch=prefetch), name=name))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prefill-threads", type=int, default=2)
+    args = ap.parse_args()
+    model, tok = load_model()
+    ids = book_windows(tok, next(iter(load_texts(limit=1).values())), args.tokens)[0]
+    specs = [cache_spec("dynamic"), cache_spec("default")] + [
+        offload_spec(p, on) for p in ("offload-cpu", "offload-disk") for on in (True, False)
+    ]
+    states = {}
+    for spec in specs:
+        cache = spec.build(model)
+        torch.set_num_threads(args.prefill_threads)
+        with spec.context(model), torch.no_grad():
+            for s in range(0, args.tokens, 1024):
+                out = model(ids[:, s : s + 1024], cache=cache, use_cache=True, logits_to_keep=1)
+        states[spec.name] = {"cache": cache, "next": out.logits[:, -1:].argmax(-1), "times": []}
+        print(f"prefilled {spec.name}", flush=True)
+    torch.set_num_threads(args.threads)
+    before = {n: dataclasses.asdict(s["cache"].offload_stats()) for n, s in states.items() if "offload" in n}
+    for _ in range(args.rounds):
+        for spec in specs:
+            st = states[spec.name]
+            with spec.context(model), torch.no_grad():
+                t0 = time.perf_counter()
+                for _ in range(args.new_tokens):
+                    st["next"] = model(st["next"], cache=st["cache"], use_cache=True).logits[:, -1:].argmax(-1)
+                st["times"].append((time.perf_counter() - t0) / args.new_tokens)
+    rows = []
+    steps = args.rounds * args.new_tokens
+    for spec in specs:
+        st = states[spec.name]
+        cache = st["cache"]
+        ms = 1000 * statistics.median(st["times"])
+        row = {"cache": spec.name, "ms_per_token": ms, "tok_s": 1000 / ms}
+        if hasattr(cache, "memory_report"):
+            r = cache.memory_report()
+            row.update(
+                resident_bytes=r.resident_bytes,
+                offloaded_bytes=r.offloaded_bytes,
+                dense_fp16_bytes=r.dense_fp16_bytes,
+                resident_vs_fp16=r.resident_bytes / r.dense_fp16_bytes,
+            )
+        if spec.name in before:
+            now = dataclasses.asdict(cache.offload_stats())
+            d = {k: now[k] - before[spec.name][k] for k in now}
+            row.update(
+                hit_rate=d["hits"] / d["needed"] if d["needed"] else 1.0,
+                needed=d["needed"],
+                misses=d["misses"],
+                stall_ms_per_token=1000 * d["stall_s"] / steps,
+                mb_moved_per_token=d["bytes_moved"] / steps / 2**20,
+            )
+            cache.close()
+        rows.append(row)
+    base = rows[0]["tok_s"]
+    print(f"\n{args.tokens} tokens, decode with {args.threads} thread(s)")
+    print(
+        f"{'cache':<28}{'ms/tok':>8}{'vs full':>8}{'resident/fp16':>14}{'hit rate':>9}{'stall ms/tok':>13}"
+        f"{'MB moved/tok':>13}"
+    )
+    for r in rows:
+        r["vs_dynamic"] = r["tok_s"] / base
+        print(
+            f"{r['cache']:<28}{r['ms_per_token']:>8.1f}{r['vs_dynamic']:>8.2f}"
+            f"{r.get('resident_vs_fp16', float('nan')):>14.3f}{r.get('hit_rate', float('nan')):>9.3f}"
+            f"{r.get('stall_ms_per_token', float('nan')):>13.1f}{r.get('mb_moved_per_token', float('nan')):>13.2f}"
+        )
+    print(json.dumps({"tokens": args.tokens, "threads": args.threads, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
