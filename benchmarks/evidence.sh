@@ -3,7 +3,7 @@
 # may run side by side on the two cores - perplexity and recall are not timing measurements).
 #   ppl4k : streamed perplexity + fidelity at 4k on two books, every preset and baseline
 #   ppl8k : the same at 8k for CACHES (default: the baselines and max-compression)
-#   recall: a 5-digit number planted at depths 10/50/90% at 2k/4k/8k, every preset and baseline
+#   recall: a 5-digit number planted at depths 10/50/90% at 2k/4k (CACHES, default every preset and baseline)
 #   bench : decode tokens/s, prefill time, KV bytes, peak RSS at 4k and 8k (1 thread)
 # Usage: bash benchmarks/evidence.sh ppl4k|ppl8k|recall|bench   (results in results/)
 set -euo pipefail
@@ -17,7 +17,7 @@ case "$1" in
            --out results/ppl-4k.json --fidelity-out results/fidelity-4k.json ;;
   ppl8k) kvtier eval ppl --caches "${CACHES:-dynamic,max-compression,kivi2,sink-window,quanto-int4}" --contexts 8k \
            --text $BOOKS --threads 1 --out results/ppl-8k.json --fidelity-out results/fidelity-8k.json ;;
-  recall) kvtier eval recall --caches "${CACHES:-$ALL,default:dense}" --contexts 2k,4k,8k --depths 0.1,0.5,0.9 \
+  recall) kvtier eval recall --caches "${CACHES:-$ALL,default:dense}" --contexts "${CONTEXTS:-2k,4k}" --depths 0.1,0.5,0.9 \
            --threads 1 --out "results/recall${TAG:-}.json" ;;
   bench) kvtier bench --caches "${CACHES:-$ALL,default:dense,default:reference}" --contexts 4k,8k --new-tokens 8 --rounds 3 --threads 1 \
            --out results/bench.json ;;

@@ -40,11 +40,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prefill-threads", type=int, default=2)
+    ap.add_argument("--presets", nargs="+", default=["offload-cpu", "offload-disk"])
     args = ap.parse_args()
     model, tok = load_model()
     ids = book_windows(tok, next(iter(load_texts(limit=1).values())), args.tokens)[0]
     specs = [cache_spec("dynamic"), cache_spec("default")] + [
-        offload_spec(p, on) for p in ("offload-cpu", "offload-disk") for on in (True, False)
+        offload_spec(p, on) for p in args.presets for on in (True, False)
     ]
     states = {}
     for spec in specs:

@@ -1,7 +1,7 @@
 """Combine results files (ppl, fidelity, recall, bench) into the per-context tables of BENCHMARKS.md.
 
     python benchmarks/summarize.py results/ppl-*.json results/fidelity-*.json results/recall-*.json \
-        results/bench-*.json
+        results/bench-*.json[:OLD=NEW,...]
 
 One table per context length: perplexity per book, mean Δperplexity vs the full cache, KL and
 top-1 agreement with the full cache, recall accuracy (at that context), KV bytes vs fp16 and vs the
@@ -18,7 +18,15 @@ from kvtier.eval.results import load
 
 
 def main(paths: list[str]) -> None:
-    docs = {d["kind"]: d for d in merge_docs([load(p) for p in paths])}
+    loaded = []
+    for arg in paths:  # FILE.json[:OLD=NEW,...] relabels caches of runs made under an earlier preset definition
+        path, _, spec = arg.partition(".json:")
+        doc = load(path if not spec else path + ".json")
+        renames = dict(pair.split("=", 1) for pair in spec.split(",")) if spec else {}
+        for row in doc["rows"]:
+            row["cache"] = renames.get(row["cache"], row["cache"])
+        loaded.append(doc)
+    docs = {d["kind"]: d for d in merge_docs(loaded)}
     ppl = docs.get("ppl", {"rows": []})["rows"]
     fid = docs.get("fidelity", {"rows": []})["rows"]
     rec = docs.get("recall", {"rows": []})["rows"]

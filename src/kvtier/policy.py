@@ -275,9 +275,9 @@ def _default() -> TierPolicy:
     # Measured (benchmarks/sweep_policies.py, SmolLM2, streamed 4k): 4-bit beyond a 64-token hot
     # window with 64-token key groups costs +0.22% perplexity at 0.300 of fp16 bytes at 8k; 128-token
     # groups cost +0.57%, 3-bit +1.8%, a 4-bit warm window before a 3-bit cold tier +3.1%.
-    # Sparse (benchmarks/sparse_work.py, streamed 8k): token mass 0.95 beyond a 64-token local
-    # window skips 40% of attention work (80% of value work) for +0.2% perplexity against the same
-    # policy without sparsity; mass 0.99 skips 33% for +0.05%; Quest block top-50% costs +1.6%.
+    # No sparse attention by default: token mass 0.95 beyond a 64-token local window skips 40% of
+    # attention work at 8k for +0.1% perplexity (benchmarks/sparse_work.py), but both 0.95 and 0.99
+    # lost a recall case (4k, depth 50%) that the dense policy answers; see BENCHMARKS.md.
     return TierPolicy(
         hot_tokens=64,
         warm_tokens=None,
@@ -286,7 +286,6 @@ def _default() -> TierPolicy:
         block_tokens=64,
         value_group_size=64,
         exact_dtype="half",
-        sparse=SparsePolicy(local_window=64, select="tokens", method="mass", level=0.95),
         layer_overrides={},
         name="default",
     )
@@ -308,7 +307,9 @@ def _max_compression() -> TierPolicy:
 
 
 def _chat() -> TierPolicy:
-    return _default().replace(hot_tokens=192, name="chat")
+    return _default().replace(
+        hot_tokens=192, sparse=SparsePolicy(local_window=64, select="tokens", method="mass", level=0.95), name="chat"
+    )
 
 
 def _code() -> TierPolicy:
@@ -369,12 +370,9 @@ def _offload_disk() -> TierPolicy:
 
 
 PRESETS: dict[str, _Preset] = {
-    "default": (
-        "hot 64 + 32 sinks exact, 4-bit beyond, token-sparse values (mass 0.95, local window 64)",
-        _default,
-    ),
+    "default": ("hot 64 + 32 sinks exact (fp16), every older token 4-bit", _default),
     "max-compression": ("hot 128 exact, warm 1,024 at 4 bits, cold 1-bit signs, 32 sinks", _max_compression),
-    "chat": ("default with a larger hot window (192); sparse beyond a 64-token local window", _chat),
+    "chat": ("default with hot 192 and token-sparse values (mass 0.95) beyond a 64-token local window", _chat),
     "code": ("6-bit warm, hot 256, sparse mass 0.99 beyond a 128-token local window: conservative", _code),
     "exact": ("no compression; matches DynamicCache token for token", _exact),
     "kivi2": ("baseline: 2-bit warm over all non-hot tokens (KIVI layout), hot 128", _kivi2),
