@@ -23,6 +23,7 @@ import torch
 from ..attention.mask import KVMask
 from ..attention.partials import Partial, exact_partial, from_rows, merge, tier_partial, to_rows
 from ..attention.sparse import union_blocks
+from ..attention.tiered import _hot_allowed
 from ..cache.layer import TieredLayer
 from ..policy import OffloadPolicy
 from .sketch import block_lse
@@ -65,17 +66,6 @@ def select_offloaded(
     if forced is not None:
         keep = keep | forced
     return keep & finite
-
-
-def _hot_allowed(layer: TieredLayer, q_pos: torch.Tensor, padding: torch.Tensor | None, groups: int) -> torch.Tensor:
-    """bool ``[B or 1, 1, Gq * len(q_pos), L]`` over hot tokens, rows ordered (group, position)."""
-    L = layer.hot.length
-    k_pos = layer.hot_start + torch.arange(L, device=q_pos.device)
-    allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # [1, q, L]
-    if padding is not None:
-        allowed = allowed & padding[:, None, layer.hot_start : layer.seen].to(q_pos.device)
-    Bm, q = allowed.shape[:2]
-    return allowed.unsqueeze(1).expand(Bm, groups, q, L).reshape(Bm, 1, groups * q, L)
 
 
 def _cold_partial(tier: OffloadTier, rows: torch.Tensor, row_pos: torch.Tensor, resident: list[Partial], start: int):
