@@ -1,9 +1,10 @@
 """Offload presets at decode time: tokens/s with prefetch on and off, hit rate, stall time, bytes
 moved, and resident vs offloaded bytes, side by side with the full cache and the default preset.
 
-Every cache gets the same 8k-token prompt (prefilled in chunks with --prefill-threads), then
-decodes greedily with --threads (default 1); caches are interleaved round-robin over --rounds and
-the median is reported. Block traffic is counted over the decode steps only.
+Every cache gets the same prompt (prefilled in one call with --prefill-threads, as ``kvtier bench``
+does), then decodes greedily with --threads (default 1); caches are interleaved round-robin over
+--rounds and the median is reported. Block traffic is counted over the decode steps only. The
+prefetch worker needs a core of its own: run it on an otherwise idle machine.
 
     python benchmarks/offload_bench.py --tokens 8192 --new-tokens 16 --rounds 2
 
@@ -52,8 +53,7 @@ def main() -> None:
         cache = spec.build(model)
         torch.set_num_threads(args.prefill_threads)
         with spec.context(model), torch.no_grad():
-            for s in range(0, args.tokens, 1024):
-                out = model(ids[:, s : s + 1024], cache=cache, use_cache=True, logits_to_keep=1)
+            out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
         states[spec.name] = {"cache": cache, "next": out.logits[:, -1:].argmax(-1), "times": []}
         print(f"prefilled {spec.name}", flush=True)
     torch.set_num_threads(args.threads)

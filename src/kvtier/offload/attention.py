@@ -10,10 +10,11 @@ Per query row (the ``Gq * q`` queries sharing a KV head) and call:
 3. :func:`select_offloaded` keeps blocks in descending ``lse_j`` until the resident mass plus the
    kept blocks cover ``mass`` of the estimated total ``lse_res (+) lse_1 (+) ... (+) lse_n``, within
    ``[min_blocks, max_blocks]``, plus blocks in the row's local window;
-4. the union of the kept blocks per (row, KV head) is fetched (staged by the prefetcher or read
-   synchronously) and attended *exactly* with a per-row mask (:func:`exact_partial`): a row never
-   sees a block it did not select, so the result equals exact attention with the unselected
-   blocks removed, and with an unlimited budget it equals exact attention.
+4. the union of the kept blocks per (row, KV head) is fetched - used in place where the
+   prefetcher staged it, read synchronously otherwise - and attended *exactly* with a per-row
+   mask (:func:`exact_partial`, one partial per source): a row never sees a block it did not
+   select, so the result equals exact attention with the unselected blocks removed (up to fp32
+   summation order), and with an unlimited budget it equals exact attention.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import torch
 
 from ..attention.mask import KVMask
 from ..attention.partials import Partial, exact_partial, from_rows, merge, tier_partial, to_rows
-from ..attention.sparse import union_blocks
 from ..attention.tiered import _hot_allowed
 from ..cache.layer import TieredLayer
 from ..policy import OffloadPolicy
@@ -68,8 +68,12 @@ def select_offloaded(
     return keep & finite
 
 
-def _cold_partial(tier: OffloadTier, rows: torch.Tensor, row_pos: torch.Tensor, resident: list[Partial], start: int):
-    """Select, fetch and attend the offloaded blocks for ``rows [B,H,R,D]``."""
+def _cold_partials(
+    tier: OffloadTier, rows: torch.Tensor, row_pos: torch.Tensor, resident: list[Partial], start: int
+) -> list[Partial]:
+    """Select, fetch and attend the offloaded blocks for ``rows [B,H,R,D]``: one exact partial per
+    source of :meth:`OffloadTier.gather` (staged hits, synchronous misses), each row masked to the
+    blocks it selected."""
     policy = tier.policy
     T = tier.block_tokens
     B, H, R, D = rows.shape
@@ -84,13 +88,17 @@ def _cold_partial(tier: OffloadTier, rows: torch.Tensor, row_pos: torch.Tensor, 
         lse_res = torch.stack([p.lse for p in resident]).logsumexp(0)  # hot is never empty
         keep = select_offloaded(scores, lse_res, policy, forced)
     tier.observe(keep, scores)
-    blocks, row_mask = union_blocks(keep)  # [B,H,k], [B,H,R,k]
-    k, v = tier.fetch(blocks)  # [B,H,k,T,D]
-    valid = tier.fields["valid"].expand(B, H, -1, -1)
-    vg = valid.gather(2, blocks.clamp(min=0).to(valid.device).unsqueeze(-1).expand(-1, -1, -1, T))
-    allowed = row_mask.unsqueeze(-1) & vg.unsqueeze(2)  # [B,H,R,k,T]; -1 slots are masked in row_mask
-    kk = blocks.shape[-1]
-    return exact_partial(rows, k.reshape(B, H, kk * T, D), v.reshape(B, H, kk * T, D), allowed.reshape(B, H, R, -1))
+    valid = tier.fields["valid"].expand(B, H, -1, -1)  # [B,H,n,T]
+    parts = []
+    for blocks, k, v in tier.gather(keep.any(2)):
+        kk = blocks.shape[-1]
+        idx = blocks.clamp(min=0)
+        row_mask = keep.gather(-1, idx.unsqueeze(2).expand(-1, -1, R, -1)) & (blocks >= 0).unsqueeze(2)
+        vg = valid.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, T))  # [B,H,k,T]
+        allowed = (row_mask.unsqueeze(-1) & vg.unsqueeze(2)).reshape(B, H, R, kk * T)
+        kf, vf = k.float().reshape(B, H, kk * T, D), v.float().reshape(B, H, kk * T, D)
+        parts.append(exact_partial(rows, kf, vf, allowed))
+    return parts
 
 
 def _attend(layer: TieredLayer, query: torch.Tensor, q_pos: torch.Tensor, padding, scaling: float) -> torch.Tensor:
@@ -106,7 +114,7 @@ def _attend(layer: TieredLayer, query: torch.Tensor, q_pos: torch.Tensor, paddin
     hk, hv = layer.hot.view()
     parts.append(exact_partial(rows, hk, hv, _hot_allowed(layer, q_pos, padding, Hq // H)))
     if tier.nblocks:
-        parts.append(_cold_partial(tier, rows, q_pos.repeat(Hq // H), parts, layer.evicted))
+        parts += _cold_partials(tier, rows, q_pos.repeat(Hq // H), parts, layer.evicted)
     return from_rows(merge(parts), Hq, q)
 
 

@@ -2,13 +2,14 @@
 
 Prediction and prefetch. Each offloading layer remembers which cold blocks its query rows
 selected at the previous step plus ``margin`` next-best blocks per KV head, and every block that
-arrived since (see :meth:`~kvtier.offload.tier.OffloadTier.predicted_ids`). When layer ``l``'s
+arrived since (see :meth:`~kvtier.offload.tier.OffloadTier.predicted_blocks`). When layer ``l``'s
 attention starts, the offloader submits the fetch of layer ``l + 1``'s predicted records to one
-worker thread, which reads them from the store (and, on CUDA, copies them to the device on a side
-stream, recording an event) while layer ``l`` computes; the first offloading layer of a step
-submits its own fetch, which overlaps its sink, hot and sketch work. A layer then waits for its
-staged records (time counted as stall), takes those it needs (hits) and reads the rest
-synchronously (misses, also stall). Staged records are released when the layer's attention ends,
+worker thread, which reads them from the store straight into attention layout (and, on CUDA,
+copies them to the device on a side stream, recording an event) while layer ``l`` computes; the
+first offloading layer of a step submits its own fetch, which overlaps its sink, hot and sketch
+work. A layer then waits for its staged blocks (time counted as stall), attends the ones it
+selected in place (hits: no second copy on the compute thread) and reads the rest synchronously
+(misses, also stall). Staged records are released when the layer's attention ends,
 so staging never holds more than two layers and nothing is staged between steps.
 
 Disk directories: for each directory named by a disk policy, the offloader creates a private

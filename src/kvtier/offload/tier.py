@@ -11,7 +11,7 @@ When a block leaves the hot (or warm) tier it is split in two:
 
 Beam search and batch selection permute table rows; no data moves and records no row refers to
 any more are freed (vLLM-style, beam-safe). Attention (:mod:`kvtier.offload.attention`) chooses
-blocks from the sketches and :meth:`OffloadTier.fetch` gets them, from what the prefetcher staged
+blocks from the sketches and :meth:`OffloadTier.gather` gets them, from what the prefetcher staged
 (:mod:`kvtier.offload.prefetch`) or synchronously from the store; :class:`OffloadStats` counts it.
 """
 
@@ -22,6 +22,7 @@ from concurrent.futures import Future
 
 import torch
 
+from ..attention.sparse import union_blocks
 from ..diagnostics import OffloadStats
 from ..policy import TierPolicy
 from .prefetch import Offloader
@@ -78,7 +79,8 @@ class OffloadTier:
         self.predicted: torch.Tensor | None = None  # bool [B, H, n'] blocks predicted for the next step
         self._observed: torch.Tensor | None = None  # prediction being built during this step
         self._pending: Future | None = None
-        self._staged: tuple | None = None  # (ids_sorted [m], data [m, rb] on device, used bool [m])
+        # (blocks [B,H,k], k, v [B,H,k,T,D] on the device, listed bool [B,H,n], used bool [B,H,n])
+        self._staged: tuple | None = None
         self.stats = OffloadStats()
         offloader.register(self)
 
@@ -139,7 +141,7 @@ class OffloadTier:
         return out + self.store.tensors()
 
     def staging_tensors(self) -> list[torch.Tensor]:
-        return [] if self._staged is None else [self._staged[0], self._staged[1]]
+        return [] if self._staged is None else list(self._staged)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -177,101 +179,103 @@ class OffloadTier:
         ids = self.table.gather(-1, blocks.clamp(min=0))
         return torch.where(blocks >= 0, ids, torch.full_like(ids, -1))
 
-    def fetch(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact K/V of ``blocks: int64 [B, H, k]`` (``-1`` = none: arbitrary data, mask it).
+    def read_blocks(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact K/V of ``blocks: int64 [B, H, k]`` read straight into attention layout.
+
+        ``-1`` slots hold a copy of some listed block (finite data: callers mask them). Exact
+        records come back as views of one buffer, moved once (one gather from the store).
 
         Returns
         -------
         ``k, v: [B, H, k, T, D]`` in the storage dtype, on the compute device.
         """
         ids = self.record_ids(blocks)
-        present = ids >= 0
-        uniq, inverse = ids[present].unique(return_inverse=True)
         B, H, k = ids.shape
-        if not uniq.numel():
+        present = ids >= 0
+        if not bool(present.any()):
             z = torch.zeros(B, H, k, self.block_tokens, self.head_dim, dtype=self.layout.dtype, device=self.device)
             return z, z
-        kd, vd = self.layout.decode(self._load(uniq))  # [m, T, D]
-        idx = torch.zeros(B, H, k, dtype=torch.long)  # absent slots read record 0: callers mask them
-        idx[present] = inverse
-        idx = idx.to(kd.device)
-        return kd[idx], vd[idx]
+        fill = ids[present][0]
+        data = self._read(torch.where(present, ids, fill).flatten()).to(self.device, non_blocking=True)
+        kd, vd = self.layout.decode(data)  # [B*H*k, T, D]
+        shape = (B, H, k, self.block_tokens, self.head_dim)
+        return kd.reshape(shape), vd.reshape(shape)
 
-    def _load(self, ids: torch.Tensor) -> torch.Tensor:
-        """Records ``ids`` (sorted, unique) as uint8 ``[m, record_bytes]`` on the device: staged hits
-        plus synchronous reads of the misses; counts hits, misses, bytes and stall time."""
+    def gather(self, union: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Exact K/V of every block in ``union: bool [B, H, n]`` (blocks some query row of each
+        (row, KV head) selected), as *sources* ``(blocks [B, H, k], k, v [B, H, k, T, D])``.
+
+        Blocks the prefetcher staged are used in place - the staged source lists the predicted
+        blocks, a superset, so callers mask each row by its own selection - and the others are
+        read synchronously into a second source: each selected block is in exactly one source
+        and nothing staged is copied again. Counts needed blocks, hits, misses, bytes and stall.
+        """
         st = self.stats
-        m = ids.numel()
         t0 = time.perf_counter()
         self._wait_pending()
         stall = time.perf_counter() - t0
-        hit = torch.zeros(m, dtype=torch.bool)
-        pos = None
-        if self._staged is not None and m and self._staged[0].numel():
-            staged_ids, staged, used = self._staged
-            pos = torch.searchsorted(staged_ids, ids).clamp(max=staged_ids.numel() - 1)
-            hit = staged_ids[pos] == ids
-            used[pos[hit]] = True
-        misses = ids[~hit]
-        if not misses.numel():  # all staged
-            out = staged.index_select(0, pos.to(staged.device))
-        else:
+        sources = []
+        miss = union
+        if self._staged is not None:
+            blocks, k, v, listed, used = self._staged
+            hit = union & listed[:, :, : union.shape[2]]
+            miss = union & ~hit
+            if bool(hit.any()):
+                sources.append((blocks, k, v))
+                used |= hit
+            st.hits += int(hit.sum())
+        n_miss = int(miss.sum())
+        if n_miss:
             t1 = time.perf_counter()
-            read = self._read(misses).to(self.device)
+            blocks = union_blocks(miss.unsqueeze(2))[0]
+            k, v = self.read_blocks(blocks)
+            sources.append((blocks, k, v))
             stall += time.perf_counter() - t1
-            st.bytes_moved += misses.numel() * self.layout.record_bytes
-            if misses.numel() == m:
-                out = read
-            else:
-                out = torch.empty(m, self.layout.record_bytes, dtype=torch.uint8, device=self.device)
-                hits = hit.nonzero().flatten()
-                out[hits.to(self.device)] = staged[pos[hits].to(staged.device)]
-                out[(~hit).nonzero().flatten().to(self.device)] = read
-        st.needed += m
-        st.hits += int(hit.sum())
-        st.misses += int(misses.numel())
+            st.bytes_moved += n_miss * self.layout.record_bytes
+        st.needed += int(union.sum())
+        st.misses += n_miss
         st.stall_s += stall
-        return out
+        return sources
 
     # --- prefetch -----------------------------------------------------------------------------
     @property
     def prefetch_enabled(self) -> bool:
         return self.policy.prefetch
 
-    def predicted_ids(self) -> torch.Tensor:
-        """Record ids (sorted, unique) of the blocks predicted for this layer's next attention:
-        last step's selection and margin, plus every block offloaded since."""
+    def predicted_blocks(self) -> torch.Tensor:
+        """bool ``[B, H, n]``: the blocks predicted for this layer's next attention - last step's
+        selection and margin, plus every block offloaded since - that hold real tokens."""
         if self.table is None or self.predicted is None:
-            return torch.empty(0, dtype=torch.long)
+            return torch.zeros(0, 0, 0, dtype=torch.bool)
         B, H, n = self.table.shape
         known = self.predicted.shape[2]
         mask = torch.ones(B, H, n, dtype=torch.bool)
         mask[:, :, :known] = self.predicted[:, :, :n].cpu()
-        mask &= self.fields["valid"].any(-1).cpu()  # [B, 1, n]: blocks holding real tokens
-        return self.table[mask].unique()
+        return mask & self.fields["valid"].any(-1).cpu()  # [B, 1, n]: blocks holding real tokens
 
     def submit_prefetch(self) -> None:
-        """Start fetching the predicted records on the offloader's worker (no-op when off or staged)."""
+        """Start fetching the predicted blocks on the offloader's worker (no-op when off or staged)."""
         if not self.prefetch_enabled or self._pending is not None or self._staged is not None:
             return
-        ids = self.predicted_ids()
-        if ids.numel():
-            self._pending = self.offloader.submit(self._prefetch_job, ids)
+        listed = self.predicted_blocks()
+        if bool(listed.any()):
+            self._pending = self.offloader.submit(self._prefetch_job, listed)
 
-    def _prefetch_job(self, ids: torch.Tensor) -> tuple:
-        """Worker thread: read ``ids`` and move them to the device (side stream + event on CUDA)."""
+    def _prefetch_job(self, listed: torch.Tensor) -> tuple:
+        """Worker thread: read the predicted blocks into attention layout on the device (a side
+        stream and an event on CUDA)."""
         t0 = time.perf_counter()
-        host = self.store.read(ids)
+        blocks = union_blocks(listed.unsqueeze(2))[0]
         event = None
         if self.device.type == "cuda":
             stream = self.offloader.stream(self.device)
             with torch.cuda.stream(stream):
-                data = host.to(self.device, non_blocking=True)
+                k, v = self.read_blocks(blocks)
                 event = torch.cuda.Event()
                 event.record(stream)
         else:
-            data = host
-        return ids, data, event, host, time.perf_counter() - t0
+            k, v = self.read_blocks(blocks)
+        return blocks, k, v, listed, event, time.perf_counter() - t0
 
     def _wait_pending(self) -> None:
         """Wait for the prefetch in flight, if any, and stage its result (a failed one is dropped:
@@ -280,25 +284,30 @@ class OffloadTier:
             return
         fut, self._pending = self._pending, None
         try:
-            ids, data, event, host, busy = fut.result()
+            blocks, k, v, listed, event, busy = fut.result()
         except Exception:  # noqa: BLE001 - a bad record is reported by the synchronous read
             return
         if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
-            data.record_stream(torch.cuda.current_stream(self.device))
-        self.stats.prefetched += ids.numel()
-        self.stats.bytes_moved += ids.numel() * self.layout.record_bytes
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            k.record_stream(current)
+            v.record_stream(current)
+        count = int(listed.sum())
+        self.stats.prefetched += count
+        self.stats.bytes_moved += count * self.layout.record_bytes
         self.stats.fetch_s += busy
-        self._staged = (ids, data, torch.zeros(ids.numel(), dtype=torch.bool))
+        listed = listed.to(self.device)
+        self._staged = (blocks.to(self.device), k, v, listed, torch.zeros_like(listed))
 
     def drop_staging(self) -> None:
-        """Release staged records (counting those never used); a prefetch in flight is cancelled or
+        """Release staged blocks (counting those never used); a prefetch in flight is cancelled or
         waited for."""
         if self._pending is not None and self._pending.cancel():
             self._pending = None
         self._wait_pending()
         if self._staged is not None:
-            self.stats.unused += int((~self._staged[2]).sum())
+            listed, used = self._staged[3], self._staged[4]
+            self.stats.unused += int((listed & ~used).sum())
             self._staged = None
 
     # --- prediction ---------------------------------------------------------------------------
