@@ -245,11 +245,65 @@ def test_select_tokens_quantile_rule():
     assert keep.tolist() == [[True, False, False, False, True, False]]  # ceil(0.4 * 5) = 2 kept
 
 
-@pytest.mark.parametrize("method,level", [("mass", 0.9), ("quantile", 0.3)])
+@pytest.mark.parametrize("level", [0.9, 0.99, 0.999])
+def test_select_tokens_row_mass_rule_bounds_the_dropped_mass(level):
+    """With the row's other mass (``rest_lse``), the tokens dropped carry at most 1 - level of the
+    row's softmax weight, the row's top token is always kept, and a larger rest drops more."""
+    from kvtier.attention.sparse import select_tokens
+
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randn(4, 3, 500, generator=g) * 2.5
+    scores[..., 450:] = float("-inf")  # invalid tail
+    tier_lse = scores.logsumexp(-1)
+    sp = SparsePolicy(select="tokens", method="mass", level=level)
+    kept_before = None
+    for shift in (-8.0, 0.0, 3.0, 40.0):  # rest from negligible to dominant (exp overflow range too)
+        rest = tier_lse + shift
+        keep = select_tokens(scores, sp, None, rest)
+        total = torch.logaddexp(tier_lse, rest)
+        dropped = (scores.masked_fill(keep, float("-inf")).logsumexp(-1) - total).exp()
+        assert (dropped <= 1 - level + 1e-6).all()
+        assert keep.gather(-1, scores.argmax(-1, keepdim=True)).all()
+        n = keep.sum(-1)
+        if kept_before is not None:
+            assert (n <= kept_before).all()
+        kept_before = n
+    assert (kept_before < 450).all()
+    # without rest it is the tier-only rule: dropped <= 1 - level of the tier's own mass
+    keep = select_tokens(scores, sp, None)
+    assert ((scores.masked_fill(keep, float("-inf")).logsumexp(-1) - tier_lse).exp() <= 1 - level + 1e-6).all()
+
+
+@pytest.mark.parametrize("q", [1, 4, 5, 9])
+def test_sparse_applies_only_to_short_calls(q, path):
+    """Calls longer than ``max_query_tokens`` attend densely - the same output as the policy without
+    sparsity - and count their work as dense; shorter ones select."""
+    sp = SparsePolicy(local_window=2, select="tokens", method="mass", level=0.5, max_query_tokens=4)
+    policy = POLICIES["int4+sign"].replace(sparse=sp)
+    B, H, D = 2, 2, 16
+    out = {}
+    for name, pol in (("sparse", policy), ("dense", policy.replace(sparse=None))):
+        layer, valid = build_layer(pol, B, H, D, [80, 13, q], [0, 5])
+        query = torch.randn(B, H * 3, q, D, generator=torch.Generator().manual_seed(2)) * 3
+        out[name] = tiered_attention(layer, query, mask_for(valid, q), 0.3)
+        if name == "sparse":
+            stats = layer.sparse_stats
+    if q > sp.max_query_tokens:
+        assert torch.equal(out["sparse"], out["dense"])
+        assert stats.calls == stats.pairs == stats.scored == stats.valued == stats.bytes_total == 0
+        assert stats.dense_calls == 1 and stats.dense_pairs > 0
+    else:
+        assert stats.calls == 1 and stats.dense_calls == stats.dense_pairs == 0
+        assert 0 < stats.valued < stats.pairs
+        assert not torch.equal(out["sparse"], out["dense"])
+
+
+@pytest.mark.parametrize("method,level,rest", [("mass", 0.9, False), ("mass", 0.97, True), ("quantile", 0.3, False)])
 @pytest.mark.parametrize("name", ["int4+sign", "int2+int3", "int6+rot"])
-def test_token_sparse_tier_matches_masked_reference(method, level, name, path):
+def test_token_sparse_tier_matches_masked_reference(method, level, rest, name, path):
     """A tier's token-sparse partial equals: exact softmax over the decoded tier, value average
-    over the kept tokens only (renormalized), with the full log-sum-exp."""
+    over the kept tokens only (renormalized), with the full log-sum-exp; with ``rest`` the mass
+    rule counts the row's other attended mass (``rest_lse``) too."""
     from kvtier.attention.partials import kernel_partial, tier_partial, to_rows
     from kvtier.attention.sparse import select_tokens
 
@@ -257,19 +311,21 @@ def test_token_sparse_tier_matches_masked_reference(method, level, name, path):
     layer, _ = build_layer(POLICIES[name].replace(value_group_size=8), 2, 2, 16, [70, 30], [0, 9])
     query = torch.randn(2, 6, 2, 16)
     rows = to_rows(query, 2, 0.3)
+    # other mass per row: from far below to far above the tier's (both ends of the rule)
+    rest_lse = torch.linspace(-6, 12, 2 * 2 * 6).reshape(2, 2, 6) if rest else None
     for tier in (layer.cold, layer.warm):
         if tier is None or not tier.nblocks:
             continue
         if path == "kernel":
             start = layer.evicted + (layer.cold.ntokens if tier is layer.warm and layer.cold is not None else 0)
             never = torch.full((rows.shape[2],), 10**9)
-            got = kernel_partial(rows, tier.fields, tier.codec, 16, select=(method, level, never, start))
+            got = kernel_partial(rows, tier.fields, tier.codec, 16, select=(method, level, never, start, rest_lse))
         else:
-            got = tier_partial(rows, tier.fields, tier.codec, 16, select=lambda f: select_tokens(f, sp, None))
+            got = tier_partial(rows, tier.fields, tier.codec, 16, select=lambda f: select_tokens(f, sp, None, rest_lse))
         k, v, valid = tier.dense(torch.float64)
         scores = rows.double() @ k.transpose(-1, -2)
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        keep = select_tokens(scores.float(), sp, None)
+        keep = select_tokens(scores.float(), sp, None, rest_lse)
         p = torch.softmax(scores, -1) * keep
         ref = (p @ v) / p.sum(-1, keepdim=True)
         assert torch.allclose(got.out.double(), ref, atol=1e-4)
@@ -331,7 +387,8 @@ def test_bound_sparse_attention_error_is_bounded(name):
         sparse=SparsePolicy(0, "blocks", "bound", 1 - eps, min_blocks=0), value_group_size=8
     )
     layer, valid = build_layer(policy, 2, 2, 16, [90, 1], [0, 7])
-    query = torch.randn(2, 6, 1, 16) * 3
+    # a fixed query: for ~7% of random ones the bounds drop no block at all (nothing to check)
+    query = torch.randn(2, 6, 1, 16, generator=torch.Generator().manual_seed(0)) * 3
     mask = mask_for(valid, 1)
     fast = tiered_attention(layer, query, mask, 0.3)
     ref = reference_attention(layer, query, mask, 0.3)

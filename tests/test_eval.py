@@ -50,6 +50,41 @@ def test_load_pg19_local_jsonl(tmp_path):
     assert books == {"Book 0": "body 0", "Book 1": "body 1"}
 
 
+def test_answer_margin_stops_at_the_first_wrong_token():
+    import torch
+
+    from kvtier.eval.recall import answer_margin
+
+    def logits(*pairs):  # (token, value) over a 6-token vocabulary, 0 elsewhere
+        lg = torch.zeros(1, 6)
+        for t, v in pairs:
+            lg[0, t] = v
+        return lg
+
+    steps = [logits((1, 3.0), (2, 1.0)), logits((2, 2.5), (4, 2.0)), logits((3, 1.0), (5, 1.2)), logits((5, 9.0))]
+    # right tokens 1, 2, 3: margins 2.0, 0.5, then -0.2 where greedy takes 5; step 4 is not read
+    assert answer_margin(steps, torch.tensor([1, 2, 5, 5]), [1, 2, 3, 0]) == pytest.approx(-0.2)
+    assert answer_margin(steps[:2], torch.tensor([1, 2]), [1, 2]) == pytest.approx(0.5)
+    assert steps[0][0, 1] == 3.0  # inputs left as they were
+
+
+def test_stream_compare_score_chunk_bounds(model):
+    """The scored half streams in ``score_chunk`` pieces: same tokens scored, and for the exact
+    cache the same perplexity (up to fp32 summation order)."""
+    import torch
+
+    from kvtier.eval.caches import cache_spec
+    from kvtier.eval.perplexity import stream_compare
+
+    ids = torch.randint(0, model.config.vocab_size, (1, 150), generator=torch.Generator().manual_seed(0))
+    a = stream_compare(model, ids, [cache_spec("exact")], chunk=64)
+    b = stream_compare(model, ids, [cache_spec("exact")], chunk=64, score_chunk=3)
+    assert a["exact"].tokens == b["exact"].tokens == 74
+    assert b["exact"].ppl == pytest.approx(a["exact"].ppl, rel=1e-4)
+    with pytest.raises(ValueError, match="score_chunk=65"):
+        stream_compare(model, ids, [], score_chunk=65)
+
+
 def test_results_schema_rejects_missing_fields():
     doc = make_results("recall", [{"cache": "a", "context": 1, "depth": 0.5, "correct": 1, "total": 1}], {}, "x")
     validate(doc)
@@ -89,6 +124,9 @@ def test_every_command_smoke(tmp_path, capsys):
         for row in doc["rows"]:
             assert set(KINDS[kind]) <= row.keys()
         out[kind] = doc
+    for row in out["recall"]["rows"]:
+        assert len(row["cases"]) == row["total"] and isinstance(row["margin_mean"], float)
+        assert all(isinstance(c["margin"], float) and c["key"] for c in row["cases"])
     caches = {r["cache"] for r in out["ppl"]["rows"]}
     assert {"dynamic", "default", "sink-window"} <= caches
     assert all(r["dppl_pct"] == 0 for r in out["ppl"]["rows"] if r["cache"] == "dynamic")

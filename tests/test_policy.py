@@ -35,6 +35,19 @@ def test_presets_valid(name):
     assert PRESETS[name][0]  # documented
 
 
+@pytest.mark.parametrize(
+    "field,value,shown",
+    [("level", 0.0, "0.0"), ("method", "topk", "'topk'"), ("max_query_tokens", 0, "0"), ("local_window", -1, "-1")],
+)
+def test_invalid_sparse_values_name_field_and_value(field, value, shown):
+    from kvtier.policy import SparsePolicy
+
+    with pytest.raises(ValueError) as err:
+        SparsePolicy(**{field: value})
+    msg = str(err.value)
+    assert msg.startswith(field) and f"={shown} is not allowed" in msg and "expected" in msg
+
+
 def test_unknown_preset():
     with pytest.raises(ValueError, match="policy='fast'"):
         get_policy("fast")

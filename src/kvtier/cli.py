@@ -112,8 +112,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         row["correct"] = is_correct(row["answer"], case.key)
         rows.append(row)
     window = book_windows(tok, text, args.ppl_tokens, offset_tokens=4000)[0]
-    print(f"  streamed perplexity over {args.ppl_tokens} tokens (chunks of 64) ...", flush=True)
-    scores = stream_compare(model, window, specs[1:], chunk=64)
+    print(f"  streamed perplexity over {args.ppl_tokens} tokens (scored half in chunks of 4) ...", flush=True)
+    scores = stream_compare(model, window, specs[1:], chunk=64, score_chunk=4)
     fp16 = dense_fp16_bytes(model, n - 1 + args.new_tokens)
     for row in rows:
         row["ppl"] = scores[row["cache"]].ppl
@@ -225,7 +225,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model, tok, texts, specs = _setup(args)
     config = {"model": args.model, "caches": [s.name for s in specs], "texts": list(texts), "contexts": args.contexts}
     if args.task in ("ppl", "fidelity"):
-        config.update(chunk=args.chunk, windows=args.windows)
+        config.update(chunk=args.chunk, score_chunk=args.score_chunk, windows=args.windows)
 
         def checkpoint(ppl_part: list[dict], fid_part: list[dict]) -> None:
             _save_partial(args.task, ppl_part if args.task == "ppl" else fid_part, config, args.out)
@@ -233,7 +233,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 _save_partial("fidelity", fid_part, config, args.fidelity_out)
 
         ppl_rows, fid_rows = run_stream(
-            model, tok, texts, args.contexts, specs, args.windows, args.chunk, checkpoint=checkpoint
+            model,
+            tok,
+            texts,
+            args.contexts,
+            specs,
+            args.windows,
+            args.chunk,
+            checkpoint=checkpoint,
+            score_chunk=args.score_chunk,
         )
         rows = ppl_rows if args.task == "ppl" else fid_rows
         keys = (
@@ -254,7 +262,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             args.prefill_chunk,
             checkpoint=lambda part: _save_partial(args.task, part, config, args.out),
         )
-        keys = ["cache", "context", "depth", "correct", "total"]
+        keys = ["cache", "context", "depth", "correct", "total", "margin_mean"]
     _print_rows(rows, keys)
     status = _finish(args.task, rows, config, args)
     if args.task == "ppl" and args.fidelity_out:  # the same lockstep run scored fidelity too
@@ -349,7 +357,13 @@ def build_parser() -> argparse.ArgumentParser:
             t.add_argument("--samples", type=_positive, default=1, help="cases per (context, depth) cell")
             t.add_argument("--prefill-chunk", type=_positive, default=512)
         else:
-            t.add_argument("--chunk", type=_positive, default=64)
+            t.add_argument("--chunk", type=_positive, default=64, help="chunk of the unscored context")
+            t.add_argument(
+                "--score-chunk",
+                type=_positive,
+                default=4,
+                help="chunk of the scored half: decode-sized, so sparse attention (max_query_tokens) applies",
+            )
             t.add_argument("--windows", type=_positive, default=1, help="windows per text and context")
             if task == "ppl":
                 t.add_argument("--fidelity-out", help="also write the fidelity results of the same run here")

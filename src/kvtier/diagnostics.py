@@ -126,7 +126,9 @@ class SparseStats:
     score and ``2 D`` for its value (one unit each); a block bound costs about one unit.
     ``pairs`` counts the pairs a dense pass evaluates (every real token, every row); ``scored`` and
     ``valued`` what was actually evaluated; ``bytes_*`` the tier bytes a dense pass reads and
-    those read (sinks and hot tokens are counted as always attended)."""
+    those read (sinks and hot tokens are counted as always attended). These count the calls that
+    selected (``calls``); calls longer than ``SparsePolicy.max_query_tokens`` (prefill) attend
+    densely and are counted apart: ``dense_calls`` and their ``dense_pairs``."""
 
     pairs: int = 0
     scored: int = 0
@@ -135,10 +137,12 @@ class SparseStats:
     bytes_total: int = 0
     bytes_read: int = 0
     calls: int = 0
+    dense_calls: int = 0
+    dense_pairs: int = 0
 
     def add(self, other: SparseStats) -> None:
-        for name in ("pairs", "scored", "valued", "bounds", "bytes_total", "bytes_read", "calls"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     def dense(self, pairs: int, nbytes: int = 0) -> None:
         """Account work done without selection (sinks, hot)."""
@@ -165,6 +169,8 @@ class SparseStats:
             "bytes_read": self.bytes_read,
             "bytes_skipped_fraction": 1 - self.bytes_read / self.bytes_total if self.bytes_total else 0.0,
             "calls": self.calls,
+            "dense_calls": self.dense_calls,
+            "dense_pairs": self.dense_pairs,
         }
 
 

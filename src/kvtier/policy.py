@@ -51,7 +51,9 @@ class SparsePolicy:
 
     * ``select="tokens"``: scores are computed exactly from the packed keys (cheap: 4-bit reads),
       then value work (reads and FLOPs) is skipped for tokens below a per-row threshold on those
-      exact probabilities; the kept weights are renormalized. Keys are always read.
+      exact probabilities; the kept weights of the tier are renormalized (its log-sum-exp stays
+      that of all its tokens). Keys are always read. CPU only (the fused C++ kernel, or torch
+      ops); on CUDA the Triton kernels attend densely instead.
     * ``select="blocks"``: whole blocks are chosen *before* scoring from Quest's upper bound of
       ``q . k`` per block (https://arxiv.org/abs/2406.10774), read for free from the quantization
       metadata (per-channel min and max of each block); dropped blocks cost nothing.
@@ -61,7 +63,9 @@ class SparsePolicy:
     local_window : tokens before the query always attended.
     select : ``"tokens"`` or ``"blocks"`` (see above).
     method : ``"mass"`` keeps the highest-weight tokens (blocks) until ``level`` of the softmax
-        mass is covered (tokens: by factor-of-two buckets of the weight, so the cut is O(n));
+        mass is covered. Tokens: the mass is the row's - the tier's tokens plus the exact sinks and
+        hot tokens the row attends - so the tokens dropped from a tier carry at most ``1 - level``
+        of the row's softmax weight; the cut is by factor-of-two buckets of the weight (O(n)).
         ``"quantile"`` keeps scores at or above the ``1 - level`` quantile of the row (the seed's
         ``torch.quantile(scores, 0.7)`` keeps 30%: ``level=0.3``); ``"topk"`` (blocks only) keeps
         ``ceil(level * blocks)``; ``"bound"`` (blocks only) drops blocks only while the sum of their
@@ -70,6 +74,10 @@ class SparsePolicy:
         rarely drops anything (see BENCHMARKS.md).
     level : the method's parameter, in (0, 1].
     min_blocks : blocks mode: never keep fewer blocks than this per row.
+    max_query_tokens : selection applies to forward calls of at most this many new tokens per
+        row (decode steps; ``None``: every call). Longer chunks - prompt prefill - attend densely:
+        prefill is compute-bound and dense GEMMs beat per-row selection there (on the 2-core CPU,
+        token selection made 64-token chunks 3.3x slower than dense; see BENCHMARKS.md).
     """
 
     local_window: int = 64
@@ -77,10 +85,12 @@ class SparsePolicy:
     method: str = "mass"
     level: float = 0.99
     min_blocks: int = 1
+    max_query_tokens: int | None = 4
 
     def __post_init__(self) -> None:
         _check_count("local_window", self.local_window, allow_none=False)
         _check_count("min_blocks", self.min_blocks, allow_none=False)
+        _check_count("max_query_tokens", self.max_query_tokens, allow_none=True, minimum=1)
         _check(self.select in SPARSE_SELECT, "select", self.select, f"one of {SPARSE_SELECT}")
         allowed = SPARSE_METHODS if self.select == "blocks" else ("mass", "quantile")
         _check(self.method in allowed, "method", self.method, f"one of {allowed} for select={self.select!r}")
@@ -275,9 +285,9 @@ def _default() -> TierPolicy:
     # Measured (benchmarks/sweep_policies.py, SmolLM2, streamed 4k): 4-bit beyond a 64-token hot
     # window with 64-token key groups costs +0.22% perplexity at 0.300 of fp16 bytes at 8k; 128-token
     # groups cost +0.57%, 3-bit +1.8%, a 4-bit warm window before a 3-bit cold tier +3.1%.
-    # No sparse attention by default: token mass 0.95 beyond a 64-token local window skips 40% of
-    # attention work at 8k for +0.1% perplexity (benchmarks/sparse_work.py), but both 0.95 and 0.99
-    # lost a recall case (4k, depth 50%) that the dense policy answers; see BENCHMARKS.md.
+    # Sparse decode attention (benchmarks/sparse_work.py, 8k, two books): dropping at most 2% of a
+    # row's softmax mass beyond a 64-token local window skips ~43% of attention work for +0.2%
+    # perplexity against the same policy dense; 3% skips ~44% for +0.4%, 5% ~46% for +0.8%.
     return TierPolicy(
         hot_tokens=64,
         warm_tokens=None,
@@ -286,6 +296,7 @@ def _default() -> TierPolicy:
         block_tokens=64,
         value_group_size=64,
         exact_dtype="half",
+        sparse=SparsePolicy(local_window=64, select="tokens", method="mass", level=0.98),
         layer_overrides={},
         name="default",
     )
@@ -308,13 +319,13 @@ def _max_compression() -> TierPolicy:
 
 def _chat() -> TierPolicy:
     return _default().replace(
-        hot_tokens=192, sparse=SparsePolicy(local_window=64, select="tokens", method="mass", level=0.95), name="chat"
+        hot_tokens=192, sparse=SparsePolicy(local_window=64, select="tokens", method="mass", level=0.97), name="chat"
     )
 
 
 def _code() -> TierPolicy:
     return _default().replace(
-        hot_tokens=256, warm_bits=6, sparse=SparsePolicy(local_window=128, level=0.99), name="code"
+        hot_tokens=256, warm_bits=6, sparse=SparsePolicy(local_window=128, select="tokens", level=0.99), name="code"
     )
 
 
@@ -370,9 +381,12 @@ def _offload_disk() -> TierPolicy:
 
 
 PRESETS: dict[str, _Preset] = {
-    "default": ("hot 64 + 32 sinks exact (fp16), every older token 4-bit", _default),
+    "default": (
+        "hot 64 + 32 sinks exact (fp16), every older token 4-bit; sparse decode attention (<= 2% of the mass dropped)",
+        _default,
+    ),
     "max-compression": ("hot 128 exact, warm 1,024 at 4 bits, cold 1-bit signs, 32 sinks", _max_compression),
-    "chat": ("default with hot 192 and token-sparse values (mass 0.95) beyond a 64-token local window", _chat),
+    "chat": ("default with hot 192 and sparse decode attention (<= 3% of the mass dropped) beyond 64 tokens", _chat),
     "code": ("6-bit warm, hot 256, sparse mass 0.99 beyond a 128-token local window: conservative", _code),
     "exact": ("no compression; matches DynamicCache token for token", _exact),
     "kivi2": ("baseline: 2-bit warm over all non-hot tokens (KIVI layout), hot 128", _kivi2),

@@ -98,11 +98,16 @@ LN2 = math.log(2.0)
 BUCKETS = 64
 
 
-def select_tokens(scores: torch.Tensor, policy: SparsePolicy, forced: torch.Tensor | None) -> torch.Tensor:
+def select_tokens(
+    scores: torch.Tensor, policy: SparsePolicy, forced: torch.Tensor | None, rest_lse: torch.Tensor | None = None
+) -> torch.Tensor:
     """bool ``[..., N]``: tokens whose value work is done, from exact scores (-inf = invalid).
 
-    ``mass``: with ``k = floor((max - s) / ln 2)`` (capped at 63), keep buckets ``0..K`` where
-    ``K`` is the first bucket at which the cumulative softmax mass reaches ``level``.
+    ``mass``: with weights ``w = exp(s - max)`` and buckets ``k = floor((max - s) / ln 2)`` (capped
+    at 63), keep buckets ``0..K``, ``K`` the first bucket at which the kept weight reaches
+    ``sum(w) - (1 - level) * (sum(w) + exp(rest_lse - max))``: the dropped tokens carry at most
+    ``1 - level`` of the row's mass, ``rest_lse [...]`` being the log mass of the row's other
+    attended tokens (sinks, hot; None: the tier alone). Bucket 0 (the row's top token) is always kept.
     ``quantile``: keep the ``ceil(level * n_valid)`` highest scores (ties kept).
     ``forced`` tokens (local window) are always kept.
     """
@@ -114,7 +119,10 @@ def select_tokens(scores: torch.Tensor, policy: SparsePolicy, forced: torch.Tens
         k = ((m - scores) / LN2).floor().clamp(0, BUCKETS - 1).nan_to_num(BUCKETS - 1).long()
         mass = torch.zeros(*scores.shape[:-1], BUCKETS, device=scores.device).scatter_add_(-1, k, w)
         cum = mass.cumsum(-1)
-        kstar = (cum < policy.level * cum[..., -1:]).sum(-1, keepdim=True)
+        total = cum[..., -1:]
+        rest = 0.0 if rest_lse is None else torch.exp(rest_lse.unsqueeze(-1) - m)
+        target = total - (1 - policy.level) * (total + rest)
+        kstar = (cum < target).sum(-1, keepdim=True)
         keep = k <= kstar
     else:  # quantile
         n_valid = finite.sum(-1, keepdim=True)

@@ -1,7 +1,10 @@
 """Fast attention over a tiered layer: per-tier partials read from the stored tensors, merged by
 log-sum-exp. No dense copy of the layer's K/V is built; transients are per bit-plane slice.
 
-Long query chunks (prefill) are split so the score tensors stay bounded.
+Long query chunks (prefill) are split so the score tensors stay bounded. A policy's sparse
+attention applies to calls of at most ``SparsePolicy.max_query_tokens`` new tokens (decode);
+longer calls attend densely and are counted apart (``SparseStats.dense_calls``). On CUDA, token
+selection (``select="tokens"``) is not in the Triton kernels, so those calls attend densely there.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import torch
 from ..cache.layer import TieredLayer
 from ..diagnostics import SparseStats
 from ..kernels.cpu import available as cpu_kernel_available
+from ..policy import SparsePolicy
 from .mask import KVMask
 from .partials import Partial, exact_partial, from_rows, kernel_partial, merge, tier_partial, to_rows, use_kernel
 from .reference import reference_attention
@@ -31,13 +35,15 @@ def _hot_allowed(layer: TieredLayer, q_pos: torch.Tensor, padding: torch.Tensor 
     return allowed.unsqueeze(1).expand(Bm, groups, q, L).reshape(Bm, 1, groups * q, L)
 
 
-def _attend(layer: TieredLayer, query: torch.Tensor, q_pos: torch.Tensor, padding, scaling: float) -> torch.Tensor:
+def _attend(
+    layer: TieredLayer, query: torch.Tensor, q_pos: torch.Tensor, padding, scaling: float, sp: SparsePolicy | None
+) -> torch.Tensor:
+    """One pass over every tier; ``sp`` is the sparse policy applied to this call (None: dense)."""
     B, Hq, q, D = query.shape
     H = layer.kv_heads
     rows = to_rows(query, H, scaling)
     R = rows.shape[2]
-    sp = layer.policy.sparse
-    stats = SparseStats(calls=1) if sp is not None else None
+    stats = SparseStats(calls=1) if layer.policy.sparse is not None else None
     parts: list[Partial] = []
     if layer.sinks.k is not None:
         sink_valid = layer.sinks.valid()
@@ -51,13 +57,16 @@ def _attend(layer: TieredLayer, query: torch.Tensor, q_pos: torch.Tensor, paddin
         stats.dense(int(allowed.sum()) * H * (B if allowed.shape[0] == 1 else 1))
     tiers = [t for t in (layer.cold, layer.warm) if t is not None and t.nblocks]
     row_pos = q_pos.repeat(Hq // H)  # position of each row
+    exact_lse = torch.logsumexp(torch.stack([p.lse for p in parts]), 0) if sp is not None else None  # sinks + hot
     if sp is not None and sp.select == "blocks" and tiers:
-        exact_lse = torch.logsumexp(torch.stack([p.lse for p in parts]), 0)  # sinks + hot
-        parts += _block_sparse_parts(layer, rows, row_pos, tiers, stats, exact_lse)
+        parts += _block_sparse_parts(layer, rows, row_pos, tiers, sp, stats, exact_lse)
     elif sp is not None and tiers:
-        parts += _token_sparse_parts(layer, rows, row_pos, tiers, stats)
+        parts += _token_sparse_parts(layer, rows, row_pos, tiers, sp, stats, exact_lse)
     else:
         parts += [tier_partial(rows, t.fields, t.codec, D) for t in tiers]
+        if stats is not None and sp is None:  # a long call under a sparse policy (prefill): counted apart
+            pairs = stats.pairs + sum(int(t.fields["valid"].sum()) for t in tiers) * H * R
+            stats = SparseStats(dense_calls=1, dense_pairs=pairs)
     if stats is not None:
         layer.sparse_stats.add(stats)
     return from_rows(merge(parts), Hq, q)
@@ -77,9 +86,17 @@ def _value_bytes_per_token(t, D: int) -> float:
     return (t.codec.nbytes(1, 1, 1, t.block_tokens, D) - t.codec.nbytes(1, 1, 1, 0, D)) / 2 / t.block_tokens
 
 
-def _token_sparse_parts(layer: TieredLayer, rows: torch.Tensor, row_pos: torch.Tensor, tiers, stats: SparseStats):
-    """Exact scores from the packed keys; value work only for tokens passing the row's threshold."""
-    sp = layer.policy.sparse
+def _token_sparse_parts(
+    layer: TieredLayer,
+    rows: torch.Tensor,
+    row_pos: torch.Tensor,
+    tiers,
+    sp: SparsePolicy,
+    stats: SparseStats,
+    exact_lse: torch.Tensor,
+):
+    """Exact scores from the packed keys; value work only for tokens passing the row's threshold.
+    ``exact_lse [B,H,R]``: log mass of the row's exact tokens (sinks, hot), part of the mass rule."""
     T = layer.policy.block_tokens
     B, H, R, D = rows.shape
     parts = []
@@ -89,7 +106,8 @@ def _token_sparse_parts(layer: TieredLayer, rows: torch.Tensor, row_pos: torch.T
         real_tokens = int(t.fields["valid"].sum()) * H
         if rows.is_cpu and cpu_kernel_available():  # the kernel selects in C++: faster at any row count
             forced_from = row_pos - sp.local_window + 1
-            part = kernel_partial(rows, t.fields, t.codec, D, select=(sp.method, sp.level, forced_from, start))
+            select = (sp.method, sp.level, forced_from, start, exact_lse)
+            part = kernel_partial(rows, t.fields, t.codec, D, select=select)
             scored, valued, read_tokens = (int(x) for x in part.counts.sum(0))
         else:
             pos = start + torch.arange(t.ntokens, device=rows.device)
@@ -97,7 +115,7 @@ def _token_sparse_parts(layer: TieredLayer, rows: torch.Tensor, row_pos: torch.T
             kept = {}
 
             def select(flat, forced=forced, kept=kept):
-                keep = select_tokens(flat, sp, forced)
+                keep = select_tokens(flat, sp, forced, exact_lse)
                 kept["keep"], kept["valid"] = keep, torch.isfinite(flat)
                 return keep
 
@@ -114,11 +132,16 @@ def _token_sparse_parts(layer: TieredLayer, rows: torch.Tensor, row_pos: torch.T
 
 
 def _block_sparse_parts(
-    layer: TieredLayer, rows: torch.Tensor, row_pos: torch.Tensor, tiers, stats: SparseStats, exact_lse: torch.Tensor
+    layer: TieredLayer,
+    rows: torch.Tensor,
+    row_pos: torch.Tensor,
+    tiers,
+    sp: SparsePolicy,
+    stats: SparseStats,
+    exact_lse: torch.Tensor,
 ):
     """Partials over the blocks each row selects by Quest bounds (see :mod:`kvtier.attention.sparse`);
     ``exact_lse [B,H,R]`` is the log-sum-exp of the exact tokens (sinks, hot), for ``method="bound"``."""
-    sp = layer.policy.sparse
     T = layer.policy.block_tokens
     D = rows.shape[-1]
     B, H, R, _ = rows.shape
@@ -163,12 +186,20 @@ def tiered_attention(layer: TieredLayer, query: torch.Tensor, mask: KVMask | Non
         raise NotImplementedError("tiered layers support causal (+ padding) masks only")
     padding = None if mask is None else mask.padding
     B, Hq, q, D = query.shape
+    sp = layer.policy.sparse
+    if sp is not None and sp.max_query_tokens is not None and q > sp.max_query_tokens:
+        sp = None  # a long chunk (prefill): dense
+    if sp is not None and sp.select == "tokens" and query.is_cuda:
+        from ..kernels.dispatch import use_triton
+
+        if use_triton(query):  # the Triton kernels select blocks, not tokens: dense Triton beats torch ops
+            sp = None
     first = layer.seen - q
     tokens = layer.seen - layer.evicted
     step = max(1, SCORE_BUDGET // max(1, tokens * Hq // layer.kv_heads))
     outs = []
     for s in range(0, q, step):
         q_pos = first + torch.arange(s, min(s + step, q), device=query.device)
-        outs.append(_attend(layer, query[:, :, s : s + step], q_pos, padding, scaling))
+        outs.append(_attend(layer, query[:, :, s : s + step], q_pos, padding, scaling, sp))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return out.to(query.dtype).contiguous()

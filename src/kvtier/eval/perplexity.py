@@ -1,6 +1,8 @@
 """Streamed perplexity and logit fidelity: tokens go through the model *with the cache* in chunks
 of <= 64, so the compressed tiers shape every later prediction; scores are taken over the last
-half of each window.
+half of each window. The scored half may stream in smaller chunks (``score_chunk``): a cache whose
+sparse attention applies to decode-sized calls only (``SparsePolicy.max_query_tokens``) is then
+measured on every scored token.
 
 All caches of a comparison run in lockstep over the same chunks: per chunk, the full cache's
 log-probabilities are the reference for KL(full || cache) and top-1 agreement of every other
@@ -63,12 +65,14 @@ def stream_compare(
     eval_from: int | None = None,
     reference: CacheSpec | None = None,
     caches_out: dict | None = None,
+    score_chunk: int | None = None,
 ) -> dict[str, StreamScore]:
     """Feed ``ids: [1, W]`` in chunks through a fresh cache per spec, in lockstep.
 
-    Scores predictions of tokens ``eval_from + 1 .. W - 1`` (default: the last half). The
-    ``reference`` (default: the full ``dynamic`` cache) provides the distribution for KL and
-    top-1 agreement and is scored too.
+    Scores predictions of tokens ``eval_from + 1 .. W - 1`` (default: the last half), fed in
+    chunks of ``score_chunk`` (default ``chunk``) tokens; the context before them in chunks of
+    ``chunk``. The ``reference`` (default: the full ``dynamic`` cache) provides the distribution
+    for KL and top-1 agreement and is scored too.
 
     ``caches_out``, if given, receives the caches by name (to read their counters afterwards).
 
@@ -76,8 +80,10 @@ def stream_compare(
     -------
     ``{spec.name: StreamScore}`` including the reference.
     """
-    if not 1 <= chunk <= 64:
-        raise ValueError(f"chunk={chunk} is not allowed: expected 1..64 (streamed evaluation)")
+    score_chunk = chunk if score_chunk is None else score_chunk
+    for name, value in (("chunk", chunk), ("score_chunk", score_chunk)):
+        if not 1 <= value <= 64:
+            raise ValueError(f"{name}={value} is not allowed: expected 1..64 (streamed evaluation)")
     reference = reference or cache_spec("dynamic")
     specs = [reference] + [s for s in specs if s.name != reference.name]
     W = ids.shape[1]
@@ -86,8 +92,8 @@ def stream_compare(
     if caches_out is not None:
         caches_out.update({s.name: c for s, c in zip(specs, caches)})
     scores = {s.name: StreamScore() for s in specs}
-    for s in range(0, W - 1, chunk):
-        e = min(s + chunk, W - 1)
+    bounds = [*range(0, eval_from, chunk), *range(eval_from, W - 1, score_chunk), W - 1]
+    for s, e in zip(bounds[:-1], bounds[1:]):
         need = max(0, e - max(s, eval_from))  # positions in this chunk that are scored
         target = ids[0, e - need + 1 : e + 1]
         ref_logp = None
@@ -112,6 +118,8 @@ def stream_compare(
     return scores
 
 
-def streamed_nll(model, ids: torch.Tensor, spec: CacheSpec, chunk: int = 64) -> StreamScore:
+def streamed_nll(
+    model, ids: torch.Tensor, spec: CacheSpec, chunk: int = 64, score_chunk: int | None = None
+) -> StreamScore:
     """Streamed score of one cache alone (no fidelity reference)."""
-    return stream_compare(model, ids, [], chunk=chunk, reference=spec)[spec.name]
+    return stream_compare(model, ids, [], chunk=chunk, reference=spec, score_chunk=score_chunk)[spec.name]

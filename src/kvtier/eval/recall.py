@@ -4,6 +4,12 @@ The fact is planted at a token depth (0 = start, 1 = end of the context) inside 
 a book, wrapped in the model's chat template, and the answer is primed with
 ``"The secret number is"`` so it can be read off greedily. A sink + window cache cannot answer
 when the fact lies outside its window, so the task tells real recall from recency.
+
+Besides right or wrong, each case records its *margin*: along the key's tokens, the logit of the
+right token minus the best other logit, minimum over the tokens up to the first wrong one
+(negative: the greedy answer went wrong there). A small model answers many cases by a hair (on
+SmolLM2 at 4k, margins of 0.02-0.1 logits occur), so a cache that flips such a case has not lost a
+fact the model knew; comparing margins case by case tells that apart from a real loss.
 """
 
 from __future__ import annotations
@@ -48,6 +54,26 @@ def build_case(tokenizer, text: str, context_tokens: int, depth: float, seed: in
     return RecallCase(input_ids, key, depth, context_tokens, len(tokenizer(prefix, add_special_tokens=False).input_ids))
 
 
+def answer_margin(step_logits, generated: torch.Tensor, target: list[int]) -> float:
+    """Minimum over the key's tokens ``target`` of ``logit(right) - max logit(other)`` at each greedy
+    step, up to and including the first step whose greedy token is not the right one.
+
+    Parameters
+    ----------
+    step_logits : per generated token, logits ``[1, V]`` (``generate(output_logits=True)``).
+    generated : the greedy tokens ``[n]``.
+    """
+    margins = []
+    for i, t in enumerate(target[: len(step_logits)]):
+        lg = step_logits[i][0].float().clone()
+        right = lg[t].item()
+        lg[t] = float("-inf")
+        margins.append(right - lg.max().item())
+        if int(generated[i]) != t:
+            break
+    return min(margins) if margins else float("nan")
+
+
 def is_correct(answer: str, key: str) -> bool:
     """The answer's first number is the key."""
     digits = "".join(ch if ch.isdigit() else " " for ch in answer).split()
@@ -63,6 +89,16 @@ def run_case(model, tokenizer, case: RecallCase, spec, new_tokens: int = 8, pref
     with spec.context(model):
         for s in range(0, ids.shape[1] - 1, prefill_chunk):
             model(ids[:, s : min(s + prefill_chunk, ids.shape[1] - 1)], cache=cache, use_cache=True, logits_to_keep=1)
-        out = model.generate(ids, cache=cache, max_new_tokens=new_tokens, do_sample=False)
-    answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
-    return {"answer": answer, "correct": is_correct(answer, case.key), "key": case.key}
+        out = model.generate(
+            ids,
+            cache=cache,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    generated = out.sequences[0, ids.shape[1] :]
+    answer = tokenizer.decode(generated, skip_special_tokens=True).strip()
+    target = tokenizer(" " + case.key, add_special_tokens=False).input_ids
+    margin = answer_margin(out.logits, generated, target)
+    return {"answer": answer, "correct": is_correct(answer, case.key), "key": case.key, "margin": margin}

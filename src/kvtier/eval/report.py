@@ -37,7 +37,8 @@ def _ppl_section(doc: dict) -> str:
                 ]
             )
         parts.append(
-            f"**{ctx} tokens** (streamed, chunks of {doc['config'].get('chunk', 64)})\n\n" + _table(header, table)
+            f"**{ctx} tokens** (streamed, chunks of {doc['config'].get('chunk', 64)}, scored half in chunks of "
+            f"{doc['config'].get('score_chunk', doc['config'].get('chunk', 64))})\n\n" + _table(header, table)
         )
     return "\n\n".join(parts)
 
@@ -45,17 +46,27 @@ def _ppl_section(doc: dict) -> str:
 def _recall_section(doc: dict) -> str:
     rows = doc["rows"]
     ctxs = sorted({r["context"] for r in rows})
-    acc = defaultdict(lambda: [0, 0])
+    acc = defaultdict(lambda: [0, 0, 0.0])
     for r in rows:
         for key in ((r["cache"], r["context"]), (r["cache"], "all")):
             acc[key][0] += r["correct"]
             acc[key][1] += r["total"]
+            acc[key][2] += r.get("margin_mean", float("nan")) * r["total"]
     caches = list(dict.fromkeys(r["cache"] for r in rows))
     table = [
-        [c, *[f"{acc[(c, x)][0]}/{acc[(c, x)][1]}" for x in ctxs], f"{acc[(c, 'all')][0] / acc[(c, 'all')][1]:.0%}"]
+        [
+            c,
+            *[f"{acc[(c, x)][0]}/{acc[(c, x)][1]}" for x in ctxs],
+            f"{acc[(c, 'all')][0] / acc[(c, 'all')][1]:.0%}",
+            f"{acc[(c, 'all')][2] / acc[(c, 'all')][1]:+.2f}",
+        ]
         for c in caches
     ]
-    return _table(["cache", *[f"{c} tok" for c in ctxs], "all"], table)
+    note = (
+        "Margin: logit of the right token minus the best other, minimum along the key up to the first "
+        "wrong token (negative = answered wrong there), averaged over cases.\n\n"
+    )
+    return note + _table(["cache", *[f"{c} tok" for c in ctxs], "all", "mean margin"], table)
 
 
 def _fidelity_section(doc: dict) -> str:

@@ -54,9 +54,11 @@ def run_stream(
     windows: int = 1,
     chunk: int = 64,
     checkpoint: Callable[[list[dict], list[dict]], None] | None = None,
+    score_chunk: int | None = None,
 ) -> tuple[list[dict], list[dict]]:
     """Streamed perplexity and fidelity rows, aggregated over windows per (cache, text, context).
 
+    The scored half of each window streams in chunks of ``score_chunk`` (default ``chunk``).
     Contexts run shortest first; ``checkpoint(ppl_rows, fid_rows)`` is called after each
     (text, context) job so long runs leave usable partial results. Caches with sparse attention
     add their work counters (:class:`kvtier.diagnostics.SparseStats`) to their ppl rows."""
@@ -69,7 +71,7 @@ def run_stream(
         sparse: dict[str, SparseStats] = {}
         for ids in book_windows(tok, text, ctx, count=windows):
             built: dict[str, Any] = {}
-            scores = stream_compare(model, ids, specs, chunk=chunk, caches_out=built)
+            scores = stream_compare(model, ids, specs, chunk=chunk, caches_out=built, score_chunk=score_chunk)
             for cache_name, cache in built.items():
                 if getattr(getattr(cache, "policy", None), "sparse", None) is not None:
                     sparse.setdefault(cache_name, SparseStats()).add(cache.sparse_stats())
@@ -128,28 +130,39 @@ def run_recall(
     checkpoint: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """Accuracy per (cache, context, depth) cell; every cache answers the same prompts.
-    ``checkpoint(rows)`` gets the cells so far after every case."""
+    Rows carry the mean answer margin and the cases (key, answer, margin; see
+    :mod:`kvtier.eval.recall`). ``checkpoint(rows)`` gets the cells so far after every case."""
     text_list = list(texts.items())
     cells = [(ctx, d, s) for ctx in contexts for d in depths for s in range(samples)]
-    counts: dict[tuple[str, int, float], list[int]] = {}
+    cases: dict[tuple[str, int, float], list[dict]] = {}
     for ctx, depth, s in progress(cells, desc="recall cases"):
         name, text = text_list[s % len(text_list)]
         case = build_case(tok, text, ctx, depth, seed=1000 * s + ctx + int(100 * depth))
         for spec in specs:
             r = run_case(model, tok, case, spec, prefill_chunk=prefill_chunk)
-            c = counts.setdefault((spec.name, ctx, depth), [0, 0])
-            c[0] += int(r["correct"])
-            c[1] += 1
+            cases.setdefault((spec.name, ctx, depth), []).append({"text": name, "sample": s, **r})
         if checkpoint is not None:
-            checkpoint(_recall_rows(counts))
-    return _recall_rows(counts)
+            checkpoint(_recall_rows(cases))
+    return _recall_rows(cases)
 
 
-def _recall_rows(counts: dict[tuple[str, int, float], list[int]]) -> list[dict]:
-    return [
-        {"cache": cache, "context": ctx, "depth": depth, "correct": ok, "total": total, "accuracy": ok / total}
-        for (cache, ctx, depth), (ok, total) in counts.items()
-    ]
+def _recall_rows(cases: dict[tuple[str, int, float], list[dict]]) -> list[dict]:
+    rows = []
+    for (cache, ctx, depth), done in cases.items():
+        ok = sum(int(c["correct"]) for c in done)
+        rows.append(
+            {
+                "cache": cache,
+                "context": ctx,
+                "depth": depth,
+                "correct": ok,
+                "total": len(done),
+                "accuracy": ok / len(done),
+                "margin_mean": sum(c["margin"] for c in done) / len(done),
+                "cases": done,
+            }
+        )
+    return rows
 
 
 class PeakRSS:

@@ -99,7 +99,8 @@ std::vector<torch::Tensor> packed_attention(
     torch::Tensor rows, torch::Tensor k_codes, torch::Tensor k_a, torch::Tensor k_b,
     torch::Tensor v_codes, torch::Tensor v_a, torch::Tensor v_b, torch::Tensor valid,
     torch::Tensor blocks, torch::Tensor row_mask, int64_t bits, int64_t dim,
-    int64_t sel_method, double sel_level, torch::Tensor forced_from, int64_t tier_start) {
+    int64_t sel_method, double sel_level, torch::Tensor forced_from, int64_t tier_start,
+    torch::Tensor rest_lse) {
   TORCH_CHECK(rows.dtype() == torch::kFloat32 && rows.is_contiguous(), "rows: contiguous float32");
   const int64_t B = rows.size(0), H = rows.size(1), R = rows.size(2), D = rows.size(3);
   TORCH_CHECK(D == dim, "rows last axis must be dim");
@@ -118,6 +119,7 @@ std::vector<torch::Tensor> packed_attention(
   auto counts = torch::zeros({B * H, 3}, torch::kInt64);
   int64_t* cnt = counts.data_ptr<int64_t>();
   const int64_t* ff = sel_method ? forced_from.data_ptr<int64_t>() : nullptr;
+  const float* rl = rest_lse.numel() > 0 ? rest_lse.data_ptr<float>() : nullptr;
   const float LN2 = std::log(2.0f);
   const float* q = rows.data_ptr<float>();
   const uint8_t* kc = k_codes.data_ptr<uint8_t>();
@@ -222,10 +224,13 @@ std::vector<torch::Tensor> packed_attention(
             bk[x] = row[x] == NEG ? 63 : (int)std::min(63.f, std::floor((m - row[x]) / LN2));
           float bucket[64] = {0.f};
           for (int64_t x = 0; x < N; ++x) bucket[bk[x]] += e[x];
+          // drop at most (1 - level) of the row's mass: this tier's plus the rest it attends
+          const float rest = rl ? std::exp(rl[bh * R + r] - m) : 0.f;
+          const float target = sum - (1.f - (float)sel_level) * (sum + rest);
           float cum = 0.f;
           for (kstar = 0; kstar < 63; ++kstar) {
             cum += bucket[kstar];
-            if (cum >= (float)sel_level * sum) break;
+            if (cum >= target) break;
           }
         }
         float kept = 0.f;
@@ -309,7 +314,7 @@ def _module():
     from torch.utils.cpp_extension import load_inline
 
     return load_inline(
-        name="kvtier_cpu_v5",
+        name="kvtier_cpu_v6",
         cpp_sources=[_SOURCE],
         functions=["packed_attention"],
         extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"],
@@ -341,7 +346,7 @@ def packed_attention(
     dim: int,
     blocks: torch.Tensor | None = None,
     row_mask: torch.Tensor | None = None,
-    select: tuple[str, float, torch.Tensor, int] | None = None,
+    select: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention of ``rows [B,H,R,D]`` (fp32, scaled) over a packed tier.
 
@@ -353,11 +358,13 @@ def packed_attention(
     valid : bool ``[B,n,T]``.
     blocks : int64 ``[B,H,k]`` block ids to read (-1 = none), or None for all.
     row_mask : bool ``[B,H,R,k]`` blocks each row may read, or None.
-    select : token selection on the exact scores, ``(method, level, forced_from, tier_start)``:
-        ``method`` ``"mass"`` or ``"quantile"`` (rules of :func:`kvtier.attention.sparse.select_tokens`),
-        ``forced_from`` int64 ``[R]`` (tokens at index >= it are always kept), ``tier_start`` the
-        index of the tier's first token slot. Dropped tokens cost no value work; kept weights are
-        renormalized while ``lse`` covers the full mass.
+    select : token selection on the exact scores, ``(method, level, forced_from, tier_start[,
+        rest_lse])``: ``method`` ``"mass"`` or ``"quantile"`` (rules of
+        :func:`kvtier.attention.sparse.select_tokens`), ``forced_from`` int64 ``[R]`` (tokens at
+        index >= it are always kept), ``tier_start`` the index of the tier's first token slot,
+        ``rest_lse`` fp32 ``[B,H,R]`` (optional) the log mass of the row's other attended tokens.
+        Dropped tokens cost no value work; kept weights are renormalized while ``lse`` covers the
+        full mass.
 
     Returns
     -------
@@ -366,6 +373,7 @@ def packed_attention(
     """
     empty_l = torch.empty(0, dtype=torch.long)
     empty_b = torch.empty(0, dtype=torch.bool)
+    rest = select[4] if select is not None and len(select) > 4 and select[4] is not None else None
     return tuple(
         _module().packed_attention(
             rows.contiguous(),
@@ -384,5 +392,6 @@ def packed_attention(
             1.0 if select is None else float(select[1]),
             empty_l if select is None else select[2].to(torch.long).contiguous(),
             0 if select is None else int(select[3]),
+            torch.empty(0) if rest is None else rest.float().contiguous(),
         )
     )
