@@ -96,8 +96,7 @@ def _cold_partials(
         row_mask = keep.gather(-1, idx.unsqueeze(2).expand(-1, -1, R, -1)) & (blocks >= 0).unsqueeze(2)
         vg = valid.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, T))  # [B,H,k,T]
         allowed = (row_mask.unsqueeze(-1) & vg.unsqueeze(2)).reshape(B, H, R, kk * T)
-        kf, vf = k.float().reshape(B, H, kk * T, D), v.float().reshape(B, H, kk * T, D)
-        parts.append(exact_partial(rows, kf, vf, allowed))
+        parts.append(exact_partial(rows, k.reshape(B, H, kk * T, D), v.reshape(B, H, kk * T, D), allowed))
     return parts
 
 

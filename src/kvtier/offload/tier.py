@@ -180,26 +180,26 @@ class OffloadTier:
         return torch.where(blocks >= 0, ids, torch.full_like(ids, -1))
 
     def read_blocks(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact K/V of ``blocks: int64 [B, H, k]`` read straight into attention layout.
+        """Exact K/V of ``blocks: int64 [B, H, k]`` read straight into attention layout, in fp32
+        (the dtype attention computes in): one gather from the store, one conversion.
 
-        ``-1`` slots hold a copy of some listed block (finite data: callers mask them). Exact
-        records come back as views of one buffer, moved once (one gather from the store).
+        ``-1`` slots hold a copy of some listed block (finite data: callers mask them).
 
         Returns
         -------
-        ``k, v: [B, H, k, T, D]`` in the storage dtype, on the compute device.
+        ``k, v: [B, H, k, T, D]`` fp32, contiguous, on the compute device.
         """
         ids = self.record_ids(blocks)
         B, H, k = ids.shape
+        shape = (B, H, k, self.block_tokens, self.head_dim)
         present = ids >= 0
         if not bool(present.any()):
-            z = torch.zeros(B, H, k, self.block_tokens, self.head_dim, dtype=self.layout.dtype, device=self.device)
+            z = torch.zeros(shape, device=self.device)
             return z, z
         fill = ids[present][0]
         data = self._read(torch.where(present, ids, fill).flatten()).to(self.device, non_blocking=True)
         kd, vd = self.layout.decode(data)  # [B*H*k, T, D]
-        shape = (B, H, k, self.block_tokens, self.head_dim)
-        return kd.reshape(shape), vd.reshape(shape)
+        return kd.float().reshape(shape), vd.float().reshape(shape)
 
     def gather(self, union: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Exact K/V of every block in ``union: bool [B, H, n]`` (blocks some query row of each
@@ -262,8 +262,9 @@ class OffloadTier:
             self._pending = self.offloader.submit(self._prefetch_job, listed)
 
     def _prefetch_job(self, listed: torch.Tensor) -> tuple:
-        """Worker thread: read the predicted blocks into attention layout on the device (a side
-        stream and an event on CUDA)."""
+        """Worker thread: read the predicted blocks into attention layout on the device, converted
+        to fp32, so that the compute thread neither copies nor converts them (a side stream and an
+        event on CUDA)."""
         t0 = time.perf_counter()
         blocks = union_blocks(listed.unsqueeze(2))[0]
         event = None
