@@ -89,6 +89,8 @@ def test_store_round_trip_and_ids(backend, tmp_path):
     store.write(ids, data)
     order = torch.randperm(50, generator=g)
     assert torch.equal(store.read(ids[order]), data[order])
+    store.drop_page_cache()  # disk: pages written back and dropped; the data reads back from the files
+    assert torch.equal(store.read(ids[order]), data[order])
     store.free(torch.tensor([3, 17, 5]))
     assert store.live == 47
     assert store.allocate(2).tolist() == [3, 5]  # lowest free ids first

@@ -236,6 +236,22 @@ class BlockStore:
             return self._slabs[s].numpy()
         return np.frombuffer(self._maps[s], dtype=np.uint8).reshape(-1, self.record_bytes)
 
+    def drop_page_cache(self) -> None:
+        """Disk backend: write this store's pages back and drop its files from the OS page cache,
+        so that the next reads come from the device - what reads cost when the offloaded blocks do
+        not fit in RAM (benchmarks/offload_bench.py --drop-page-cache). No-op for ``"cpu"``."""
+        if self.backend != "disk":
+            return
+        for mm, path in zip(self._maps, self._paths):
+            mm.flush()
+            if hasattr(mm, "madvise"):
+                mm.madvise(mmap.MADV_DONTNEED)  # unmap our pages, else the kernel keeps them cached
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
     # --- data -------------------------------------------------------------------------------
     def write(self, ids: torch.Tensor, data: torch.Tensor) -> None:
         """Write records: ``ids`` int64 ``[n]`` (allocated), ``data`` uint8 ``[n, record_bytes]``."""
