@@ -218,7 +218,7 @@ class OffloadTier:
         miss = union
         if self._staged is not None:
             blocks, k, v, listed, used = self._staged
-            hit = union & listed[:, :, : union.shape[2]]
+            hit = union & listed
             miss = union & ~hit
             if bool(hit.any()):
                 sources.append((blocks, k, v))
