@@ -26,7 +26,9 @@ from kvtier.plan import ModelShape, plan
 
 
 def off_policy(hot=9, block=7, sinks=3, warm=0, dtype="model", **offload) -> TierPolicy:
-    """Small tiers (sizes off the grid) so short sequences cross every boundary."""
+    """Small tiers (sizes off the grid) so short sequences cross every boundary; prefetch on
+    unless given (auto would turn it off for the host-RAM backend on the CPU)."""
+    offload.setdefault("prefetch", True)
     return TierPolicy(
         hot_tokens=hot,
         warm_tokens=warm,
@@ -513,6 +515,17 @@ def test_offload_policy_validation(field, value):
     with pytest.raises(ValueError) as err:
         OffloadPolicy(**{field: value})
     assert str(err.value).startswith(f"{field}={value!r} is not allowed: expected")
+
+
+@pytest.mark.parametrize(
+    "backend,prefetch,expected",
+    [("cpu", None, False), ("disk", None, True), ("cpu", True, True), ("disk", False, False)],
+)
+def test_prefetch_auto_is_on_only_where_a_fetch_is_a_transfer(tmp_path, backend, prefetch, expected):
+    path = str(tmp_path) if backend == "disk" else None
+    layer, *_ = build_layer(off_policy(backend=backend, path=path, prefetch=prefetch))
+    assert layer.cold.prefetch_enabled is expected
+    layer.cold.close()
 
 
 def test_tier_policy_offload_consistency():

@@ -131,6 +131,10 @@ class OffloadPolicy:
     local_window : blocks overlapping the last ``local_window`` tokens before a query are always
         kept (the hot tier already is a local window of at least ``hot_tokens``).
     prefetch : predict each layer's blocks and fetch them in a worker thread ahead of its attention.
+        ``None`` (auto): on when a fetch is a real transfer - the disk backend, or compute on a GPU -
+        and off for the host-RAM backend with compute on the CPU, where the "transfer" is a copy
+        within the same memory and a worker doing it slows the compute thread more than it saves
+        (measured on SmolLM2 at 4k: 215.7 ms/token on vs 195.4 off, see BENCHMARKS.md).
     margin : blocks per KV head added to a prediction beyond last step's selection (the next-best).
     """
 
@@ -141,7 +145,7 @@ class OffloadPolicy:
     max_blocks: int | None = None
     min_blocks: int = 8
     local_window: int = 0
-    prefetch: bool = True
+    prefetch: bool | None = None
     margin: int = 4
 
     def __post_init__(self) -> None:
@@ -160,7 +164,9 @@ class OffloadPolicy:
         _check_count("min_blocks", self.min_blocks, allow_none=False)
         _check_count("local_window", self.local_window, allow_none=False)
         _check_count("margin", self.margin, allow_none=False)
-        _check(isinstance(self.prefetch, bool), "prefetch", self.prefetch, "a bool")
+        _check(
+            self.prefetch is None or isinstance(self.prefetch, bool), "prefetch", self.prefetch, "a bool or None (auto)"
+        )
 
     @property
     def unlimited(self) -> bool:

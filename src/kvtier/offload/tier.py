@@ -240,7 +240,10 @@ class OffloadTier:
     # --- prefetch -----------------------------------------------------------------------------
     @property
     def prefetch_enabled(self) -> bool:
-        return self.policy.prefetch
+        """The policy's choice; auto (``None``): on unless the store is host RAM and compute is on the CPU."""
+        if self.policy.prefetch is not None:
+            return self.policy.prefetch
+        return self.policy.backend == "disk" or self.device.type != "cpu"
 
     def predicted_blocks(self) -> torch.Tensor:
         """bool ``[B, H, n]``: the blocks predicted for this layer's next attention - last step's
