@@ -7,6 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -46,10 +47,17 @@ def pareto(rows: list[dict], path: str | Path, context: int | None = None) -> Pa
         if r["context"] == context:
             acc[r["cache"]].append((r["bytes_per_token"], r["dppl_pct"]))
     pts = {c: (sum(b for b, _ in v) / len(v), sum(d for _, d in v) / len(v)) for c, v in acc.items()}
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for cache, (b, d) in pts.items():
-        ax.scatter(b / 1024, d, **{"marker": _style(cache)["marker"]})
-        ax.annotate(cache, (b / 1024, d), fontsize=8, xytext=(4, 3), textcoords="offset points")
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    colors = plt.get_cmap("tab20").colors
+    for i, (cache, (b, d)) in enumerate(pts.items()):
+        ax.scatter(
+            b / 1024,
+            d,
+            color=colors[i % len(colors)],
+            label=f"{cache} ({d:+.2f} %)",
+            s=36,
+            **{"marker": _style(cache)["marker"]},
+        )
     front, best = [], float("inf")
     for b, d in sorted(pts.values()):
         if d < best:
@@ -58,11 +66,19 @@ def pareto(rows: list[dict], path: str | Path, context: int | None = None) -> Pa
     if front:
         ax.plot(*zip(*front), color="gray", alpha=0.6, linewidth=1, label="Pareto front")
     ax.set_xscale("log")
+    # linear within +-1 %, logarithmic beyond: a +0.3 % preset and a +800 % baseline both stay legible
+    ax.set_yscale("symlog", linthresh=1.0)
+    ds = [d for _, d in pts.values()]
+    ax.set_ylim(min(-0.5, 2 * min(ds)), max(2.0, 2 * max(ds)))
+    kib = [b / 1024 for b, _ in pts.values()]
+    ticks = [t for t in (0.5, 1, 2, 3, 4, 6, 8, 10, 15, 20, 30, 40, 60, 100) if min(kib) / 1.2 <= t <= max(kib) * 1.2]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("KV bytes per token (KiB, measured, log)")
-    ax.set_ylabel("Δ perplexity vs full cache (%)")
+    ax.set_ylabel("Δ perplexity vs full cache (%, symlog)")
     ax.set_title(f"Streamed perplexity vs memory, {context} tokens")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
