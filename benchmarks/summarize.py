@@ -3,6 +3,9 @@
     python benchmarks/summarize.py results/ppl-*.json results/fidelity-*.json results/recall-*.json \
         results/bench-*.json[:OLD=NEW,...]
 
+``FILE.json:OLD=NEW`` relabels a cache of that file (runs made under an earlier preset definition);
+``OLD=`` with nothing after it leaves that cache out.
+
 One table per context length: perplexity per book, mean Δperplexity vs the full cache, KL and
 top-1 agreement with the full cache, recall accuracy (cases of 90-100% of that context: the 8k
 table takes the 7,600-token recall cases, the longest that fit the model's 8,192 positions with
@@ -27,6 +30,7 @@ def main(paths: list[str]) -> None:
         renames = dict(pair.split("=", 1) for pair in spec.split(",")) if spec else {}
         for row in doc["rows"]:
             row["cache"] = renames.get(row["cache"], row["cache"])
+        doc["rows"] = [r for r in doc["rows"] if r["cache"]]  # OLD= (empty) drops a cache
         loaded.append(doc)
     docs = {d["kind"]: d for d in merge_docs(loaded)}
     ppl = docs.get("ppl", {"rows": []})["rows"]
