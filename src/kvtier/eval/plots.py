@@ -92,7 +92,8 @@ def recall_heatmap(rows: list[dict], path: str | Path) -> Path:
     depths = sorted({r["depth"] for r in rows})
     cols = min(4, len(caches))
     nrows = -(-len(caches) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols, 2.8 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols, 3.2 * nrows), squeeze=False)
+    fig.subplots_adjust(hspace=0.55, wspace=0.4)  # titles clear of the row above's axis labels; blank cells: not run
     for ax in axes.flat[len(caches) :]:
         ax.axis("off")
     for ax, cache in zip(axes.flat, caches):
