@@ -134,7 +134,7 @@ class OffloadPolicy:
         ``None`` (auto): on when a fetch is a real transfer - the disk backend, or compute on a GPU -
         and off for the host-RAM backend with compute on the CPU, where the "transfer" is a copy
         within the same memory and a worker doing it slows the compute thread more than it saves
-        (measured on SmolLM2 at 4k: 215.7 ms/token on vs 195.4 off, see BENCHMARKS.md).
+        (measured on SmolLM2: 329.8 ms/token on vs 309.0 off at 8k, see BENCHMARKS.md).
     margin : blocks per KV head added to a prediction beyond last step's selection (the next-best).
     """
 
