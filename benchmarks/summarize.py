@@ -10,7 +10,8 @@ One table per context length: perplexity per book, mean Δperplexity vs the full
 top-1 agreement with the full cache, recall accuracy (cases of 90-100% of that context: the 8k
 table takes the 7,600-token recall cases, the longest that fit the model's 8,192 positions with
 the prompt), KV bytes vs fp16 and vs the full cache, decode tokens/s vs the full cache. Then recall
-by depth with mean answer margins. Prints markdown, then the commands of the runs.
+by depth with mean answer margins, and the decode table of the bench runs (the tables of
+BENCHMARKS.md). Prints markdown, then the commands of the runs.
 """
 
 from __future__ import annotations
@@ -99,6 +100,32 @@ def main(paths: list[str]) -> None:
                 row = [f"{m[0]}/{m[1]}" for m in mine] + [f"{ok}/{tot}", f"{mar / tot:+.2f}"]
                 print("| " + " | ".join([c, *row]) + " |")
             print()
+    if bench:
+        print("\n### Decode speed and bytes (kvtier bench)\n")
+        print(
+            "| cache | context | prefill s | decode ms/token | decode tok/s | vs full | KV vs fp16 | resident vs fp16 "
+            "| reachable = reported | largest alloc in a decode step | peak RSS MiB |"
+        )
+        print("|" + "---|" * 11)
+        for r in bench:
+            resident = r.get("resident_bytes", r["kv_bytes"]) / r["dense_fp16_bytes"]
+            reach = "yes" if r.get("reachable_bytes") == r["kv_bytes"] else "no"
+            if reach == "no" and r.get("offloaded_bytes"):
+                reach = "resident only"  # disk blocks are files, not tensors
+            cells = [
+                r["cache"],
+                str(r["context"]),
+                f"{r['prefill_s']:.1f}",
+                f"{1000 / r['decode_tok_s']:.1f}",
+                f"{r['decode_tok_s']:.2f}",
+                f"{r['decode_tok_s_ratio']:.2f}",
+                f"{r['kv_ratio_fp16']:.4f}",
+                f"{resident:.4f}",
+                reach,
+                f"{r['largest_alloc_bytes'] / 2**20:.2f} MiB",
+                f"{r['peak_rss_mb']:.0f}",
+            ]
+            print("| " + " | ".join(cells) + " |")
     print("\nCommands:\n")
     for doc in docs.values():
         for cmd in doc["commands"]:

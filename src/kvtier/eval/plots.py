@@ -56,7 +56,7 @@ def pareto(rows: list[dict], path: str | Path, context: int | None = None) -> Pa
             color=colors[i % len(colors)],
             label=f"{cache} ({d:+.2f} %)",
             s=36,
-            **{"marker": _style(cache)["marker"]},
+            marker=_style(cache)["marker"],
         )
     front, best = [], float("inf")
     for b, d in sorted(pts.values()):
