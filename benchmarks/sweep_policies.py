@@ -56,7 +56,15 @@ SPARSE = {
     "b64-hot64 +tokens-mass0.995": B64.replace(sparse=SparsePolicy(64, "tokens", "mass", 0.995)),
     "b64-hot64 +tokens-quantile0.3": B64.replace(sparse=SparsePolicy(64, "tokens", "quantile", 0.3)),
 }
-GROUPS = {"first": CANDIDATES, "sparse": SPARSE}
+# the shipped default (4-bit beyond the hot window) against a 3-bit cold tier beyond a 4-bit warm
+# window, sparse decode attention in all: what it takes to hold <= 0.30 of fp16 bytes at 4k
+BYTES = {
+    "default (4-bit everywhere)": D,
+    "warm 2560 4-bit + cold 3-bit": D.replace(warm_tokens=2560, cold="quant", cold_bits=3),
+    "warm 2048 4-bit + cold 3-bit": D.replace(warm_tokens=2048, cold="quant", cold_bits=3),
+    "warm 1024 4-bit + cold 3-bit": D.replace(warm_tokens=1024, cold="quant", cold_bits=3),
+}
+GROUPS = {"first": CANDIDATES, "sparse": SPARSE, "bytes": BYTES}
 
 
 def main() -> None:
@@ -83,18 +91,20 @@ def main() -> None:
             r = streamed_nll(model, w, cache_spec(pol.replace(name=name)))
             deltas[b] = 100 * (r.ppl / base[b].ppl - 1)
         ratio8k = plan("smollm2-135m", 8192, pol, 1, torch.float32).ratio
+        ratio_len = plan("smollm2-135m", args.length, pol, 1, torch.float32).ratio
         row = {
             "policy": name,
             "dppl_pct": deltas,
             "mean_dppl_pct": sum(deltas.values()) / len(deltas),
             "bytes_vs_fp16_8k": ratio8k,
+            f"bytes_vs_fp16_{args.length}": ratio_len,
             "seconds": time.time() - t0,
         }
         rows.append(row)
         print(
             f"{name:<34} dppl {row['mean_dppl_pct']:+6.2f}%  "
             + " ".join(f"{b}:{d:+.2f}%" for b, d in deltas.items())
-            + f"  bytes@8k {ratio8k:.3f}",
+            + f"  bytes@{args.length} {ratio_len:.3f}  bytes@8k {ratio8k:.3f}",
             flush=True,
         )
     print(

@@ -80,15 +80,21 @@ POLICIES = {
 }
 
 
-@pytest.fixture(params=["torch", "kernel"])
+@pytest.fixture(params=["torch", "kernel", "fused"])
 def path(request, monkeypatch):
-    """Run the fast path through batched torch ops or through the fused CPU kernel."""
+    """Run the fast path through batched torch ops, through the per-tier CPU kernel, or (decode
+    calls of layers it covers) through the fused whole-layer kernel."""
     import kvtier.attention.partials as partials
-    from kvtier.kernels import cpu
+    import kvtier.attention.tiered as tiered
+    from kvtier.kernels import cpu, fused_cpu
 
     if request.param == "kernel" and not cpu.available():
         pytest.skip("CPU kernel could not be built here")
-    monkeypatch.setattr(partials, "KERNEL_MAX_ROWS", 10**6 if request.param == "kernel" else -1)
+    if request.param == "fused" and not fused_cpu.available():
+        pytest.skip("fused CPU kernel could not be built here")
+    monkeypatch.setattr(partials, "KERNEL_MAX_ROWS", 10**6 if request.param != "torch" else -1)
+    if request.param == "kernel":
+        monkeypatch.setattr(tiered, "_fused_ok", lambda *a: False)
     return request.param
 
 
@@ -335,25 +341,29 @@ def test_token_sparse_tier_matches_masked_reference(method, level, rest, name, p
 @pytest.mark.parametrize("method,level", [("mass", 0.95), ("quantile", 0.4)])
 @pytest.mark.parametrize("name", ["int4+sign", "int3 all"])
 def test_token_sparse_kernel_equals_torch_path(method, level, name, monkeypatch):
-    """Whole-layer token-sparse attention (local window forced) is the same through the kernel
-    and through torch ops, and both count the same work."""
+    """Whole-layer token-sparse attention (local window forced) is the same through the per-tier
+    kernel, the fused whole-layer kernel and torch ops, and all count the same work."""
     import kvtier.attention.partials as partials
-    from kvtier.kernels import cpu
+    import kvtier.attention.tiered as tiered
+    from kvtier.kernels import cpu, fused_cpu
 
-    if not cpu.available():
-        pytest.skip("CPU kernel could not be built here")
+    if not (cpu.available() and fused_cpu.available()):
+        pytest.skip("CPU kernels could not be built here")
     policy = POLICIES[name].replace(value_group_size=8, sparse=SparsePolicy(12, "tokens", method, level))
     results = {}
-    for p in ("torch", "kernel"):
-        monkeypatch.setattr(partials, "KERNEL_MAX_ROWS", 10**6 if p == "kernel" else -1)
+    fused_ok = tiered._fused_ok
+    for p in ("torch", "kernel", "fused"):
+        monkeypatch.setattr(partials, "KERNEL_MAX_ROWS", -1 if p == "torch" else 10**6)
+        monkeypatch.setattr(tiered, "_fused_ok", fused_ok if p == "fused" else lambda *a: False)
         layer, valid = build_layer(policy, 2, 2, 16, [90, 17, 1], [0, 21])
         out = tiered_attention(
             layer, torch.randn(2, 6, 1, 16, generator=torch.Generator().manual_seed(3)), mask_for(valid, 1), 0.3
         )
         results[p] = (out, layer.sparse_stats.to_dict())
-    assert (results["torch"][0] - results["kernel"][0]).abs().max() < 1e-4
-    assert results["torch"][1] == results["kernel"][1]
-    assert results["kernel"][1]["value_skipped_fraction"] > 0
+    for p in ("kernel", "fused"):
+        assert (results["torch"][0] - results[p][0]).abs().max() < 1e-4
+        assert results["torch"][1] == results[p][1]
+    assert results["fused"][1]["value_skipped_fraction"] > 0
 
 
 def test_select_blocks_bound_rule_is_a_guarantee():
@@ -405,3 +415,77 @@ def _decoded_values(layer):
         if t is not None and t.nblocks:
             out.append(t.codec.decode_values(t.fields, layer.hot.view()[1].shape[-1], torch.float32))
     return out
+
+
+FIXED_SHAPES = {  # warm bits, cold mode: every code width of the fused kernel's compiled paths
+    "int4+sign": dict(warm_bits=4, cold="sign", cold_rotation=False),
+    "int2+int3": dict(warm_bits=2, cold="quant", cold_bits=3),
+    "int6+rot": dict(warm_bits=6, cold="sign", cold_rotation=True),
+    "int8+int2": dict(warm_bits=8, cold="quant", cold_bits=2),
+    "int3+int6": dict(warm_bits=3, cold="quant", cold_bits=6),
+    "int4+int8": dict(warm_bits=4, cold="quant", cold_bits=8),
+}
+
+
+@pytest.mark.parametrize("name", list(FIXED_SHAPES))
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("q", [1, 4])
+def test_fused_fixed_shape_paths_match_reference(name, D, groups, q, monkeypatch):
+    """Head dims 64 and 128 take the fused kernel's compiled (bits, D) paths: the same oracle
+    bound as every other path, batch 2 with left padding, GQA 3, lengths off the block grid."""
+    import kvtier.attention.partials as partials
+    from kvtier.kernels import fused_cpu
+
+    if not fused_cpu.available():
+        pytest.skip("fused CPU kernel could not be built here")
+    monkeypatch.setattr(partials, "KERNEL_MAX_ROWS", 16)
+    policy = TierPolicy(
+        hot_tokens=9,
+        warm_tokens=21,
+        block_tokens=7,
+        sink_tokens=3,
+        value_group_size=D // groups,
+        layer_overrides={},
+        **FIXED_SHAPES[name],
+    )
+    layer, valid = build_layer(policy, 2, 2, D, [61, 13, 2, q], [0, 9], seed=D + q)
+    assert layer.cold.nblocks and layer.warm.nblocks
+    query = torch.randn(2, 6, q, D, generator=torch.Generator().manual_seed(q)) * 0.5
+    calls = []
+    real = fused_cpu.layer_attention
+    monkeypatch.setattr(fused_cpu, "layer_attention", lambda *a: calls.append(1) or real(*a))
+    check_close(layer, query, mask_for(valid, q), scaling=D**-0.5)
+    assert calls, "the fused kernel did not run"
+
+
+@pytest.mark.parametrize("method,level", [("mass", 0.9), ("quantile", 0.3)])
+@pytest.mark.parametrize("D", [64, 128])
+def test_fused_token_sparse_equals_per_tier_kernel(method, level, D, monkeypatch):
+    """Token selection in the fused kernel's compiled paths keeps the same tokens as the per-tier
+    kernel (same output, same work counts), with the exact tokens counted in the row's mass."""
+    import kvtier.attention.tiered as tiered
+    from kvtier.kernels import cpu, fused_cpu
+
+    if not (cpu.available() and fused_cpu.available()):
+        pytest.skip("CPU kernels could not be built here")
+    policy = TierPolicy(
+        hot_tokens=8,
+        warm_tokens=None,
+        block_tokens=16,
+        sink_tokens=4,
+        value_group_size=D,
+        exact_dtype="half",
+        sparse=SparsePolicy(16, "tokens", method, level),
+        layer_overrides={},
+    )
+    fused_ok = tiered._fused_ok
+    results = {}
+    for p in ("kernel", "fused"):
+        monkeypatch.setattr(tiered, "_fused_ok", fused_ok if p == "fused" else lambda *a: False)
+        layer, valid = build_layer(policy, 2, 3, D, [300, 5, 1], [0, 40])
+        query = torch.randn(2, 9, 1, D, generator=torch.Generator().manual_seed(5))
+        results[p] = (tiered_attention(layer, query, mask_for(valid, 1), D**-0.5), layer.sparse_stats.to_dict())
+    assert (results["kernel"][0] - results["fused"][0]).abs().max() < 1e-5
+    assert results["kernel"][1] == results["fused"][1]
+    assert results["fused"][1]["value_skipped_fraction"] > 0.3

@@ -5,18 +5,35 @@ Long query chunks (prefill) are split so the score tensors stay bounded. A polic
 attention applies to calls of at most ``SparsePolicy.max_query_tokens`` new tokens (decode);
 longer calls attend densely and are counted apart (``SparseStats.dense_calls``). On CUDA, token
 selection (``select="tokens"``) is not in the Triton kernels, so those calls attend densely there.
+
+On the CPU, decode calls (few rows) of a layer whose tiers are all packed (k-bit or 1-bit) and
+whose selection is dense or by tokens go through one fused C++ call for the whole layer
+(:mod:`kvtier.kernels.fused_cpu`); the per-tier path below is its reference and the fallback.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..cache.codecs import KBitCodec, SignCodec
 from ..cache.layer import TieredLayer
 from ..diagnostics import SparseStats
+from ..kernels import fused_cpu
 from ..kernels.cpu import available as cpu_kernel_available
 from ..policy import SparsePolicy
+from ..quant import rotation
+from . import partials
 from .mask import KVMask
-from .partials import Partial, exact_partial, from_rows, kernel_partial, merge, tier_partial, to_rows, use_kernel
+from .partials import (
+    Partial,
+    exact_partial,
+    from_rows,
+    kernel_partial,
+    merge,
+    tier_partial,
+    to_rows,
+    use_kernel,
+)
 from .reference import reference_attention
 from .sparse import block_bounds, gather_fields, select_blocks, select_tokens, union_blocks
 
@@ -35,6 +52,64 @@ def _hot_allowed(layer: TieredLayer, q_pos: torch.Tensor, padding: torch.Tensor 
     return allowed.unsqueeze(1).expand(Bm, groups, q, L).reshape(Bm, 1, groups * q, L)
 
 
+def _fused_ok(layer: TieredLayer, rows: torch.Tensor, tiers, sp: SparsePolicy | None) -> bool:
+    return (
+        rows.is_cpu
+        and rows.shape[2] <= partials.KERNEL_MAX_ROWS
+        and (sp is None or sp.select == "tokens")
+        and all(isinstance(t.codec, (KBitCodec, SignCodec)) for t in tiers)
+        and fused_cpu.available()
+    )
+
+
+def _fused_attend(layer: TieredLayer, rows, q_pos, padding, tiers, sp: SparsePolicy | None, stats) -> torch.Tensor:
+    """Every segment of the layer in one :func:`kvtier.kernels.fused_cpu.layer_attention` call;
+    the same result and work counts as the per-tier path of :func:`_attend`."""
+    B, H, R, D = rows.shape
+    q = q_pos.numel()
+    exact = []
+    if layer.sinks.k is not None:
+        exact.append((layer.sinks.k, layer.sinks.v, layer.sinks.valid()[:, None, :]))
+    hk, hv = layer.hot.view()
+    if q == 1 and int(q_pos[0]) == layer.seen - 1:  # the last token: causal masks nothing, only padding
+        if padding is None:
+            allowed = torch.ones(1, 1, hk.shape[2], dtype=torch.bool)
+        else:
+            allowed = padding[:, None, layer.hot_start : layer.seen].to(torch.bool)
+    else:
+        allowed = _hot_allowed(layer, q_pos, padding, R // q)[:, 0]
+    exact.append((hk, hv, allowed))
+    args = []
+    for t, start in zip(tiers, _tier_starts(layer, tiers)):
+        f, sign = t.fields, isinstance(t.codec, SignCodec)
+        bits = 1 if sign else t.codec.bits
+        rot = rotation(D, rows.device) if sign and t.codec.rotate else None
+        names = (
+            ("k_signs", "k_scale", "k_mean", "v_signs", "v_scale", "v_mean")
+            if sign
+            else ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+        )
+        args.append(((*(f[n] for n in names), f["valid"].squeeze(1)), bits, start, sign, rot))
+    select = None if sp is None else (sp.method, sp.level, q_pos.repeat(R // q) - sp.local_window + 1)
+    out, _, counts = fused_cpu.layer_attention(rows, exact, args, select)
+    if stats is not None:
+        c = counts.sum(0).tolist()  # [1 + tiers][scored, valued, read tokens]
+        stats.dense(c[0][0])
+        if sp is None:  # a long call under a sparse policy (prefill): counted apart
+            pairs = stats.pairs + sum(int(t.fields["valid"].sum()) for t in tiers) * H * R
+            return out, SparseStats(dense_calls=1, dense_pairs=pairs)
+        T = layer.policy.block_tokens
+        for t, (scored, valued, read_tokens) in zip(tiers, c[1:]):
+            total = t.codec.nbytes(B, H, t.nblocks, T, D)
+            real_tokens = int(t.fields["valid"].sum()) * H
+            stats.pairs += scored
+            stats.scored += scored
+            stats.valued += valued
+            stats.bytes_total += total
+            stats.bytes_read += int(total - (real_tokens - read_tokens) * _value_bytes_per_token(t, D))
+    return out, stats
+
+
 def _attend(
     layer: TieredLayer, query: torch.Tensor, q_pos: torch.Tensor, padding, scaling: float, sp: SparsePolicy | None
 ) -> torch.Tensor:
@@ -44,6 +119,12 @@ def _attend(
     rows = to_rows(query, H, scaling)
     R = rows.shape[2]
     stats = SparseStats(calls=1) if layer.policy.sparse is not None else None
+    tiers = [t for t in (layer.cold, layer.warm) if t is not None and t.nblocks]
+    if layer.fused and _fused_ok(layer, rows, tiers, sp):
+        out, stats = _fused_attend(layer, rows, q_pos, padding, tiers, sp, stats)
+        if stats is not None:
+            layer.sparse_stats.add(stats)
+        return from_rows(out, Hq, q)
     parts: list[Partial] = []
     if layer.sinks.k is not None:
         sink_valid = layer.sinks.valid()
@@ -55,7 +136,6 @@ def _attend(
     parts.append(exact_partial(rows, hk, hv, allowed))
     if stats is not None:
         stats.dense(int(allowed.sum()) * H * (B if allowed.shape[0] == 1 else 1))
-    tiers = [t for t in (layer.cold, layer.warm) if t is not None and t.nblocks]
     row_pos = q_pos.repeat(Hq // H)  # position of each row
     exact_lse = torch.logsumexp(torch.stack([p.lse for p in parts]), 0) if sp is not None else None  # sinks + hot
     if sp is not None and sp.select == "blocks" and tiers:

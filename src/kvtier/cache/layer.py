@@ -38,8 +38,10 @@ if TYPE_CHECKING:
 
 ATTENTION_NAME = "kvtier"
 HANDLE_KEY = "tiered_layer"
-#: "fast" reads the packed tiers directly; "reference" decodes each tier and runs SDPA (the oracle).
-ATTENTION_PATHS = ("fast", "reference")
+#: "fast" reads the packed tiers directly (decode: one fused C++ call per layer on the CPU);
+#: "per-tier" the same without the fused call (a partial per tier, merged in torch);
+#: "reference" decodes each tier and runs SDPA (the oracle).
+ATTENTION_PATHS = ("fast", "per-tier", "reference")
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -102,6 +104,11 @@ class TieredLayer(CacheLayerMixin):
             shared = getattr(owner, "offloader", None)
             self.offloader = shared if shared is not None else Offloader([policy.offload])
         self.reset()
+
+    @property
+    def fused(self) -> bool:
+        """Whether decode calls may take the fused whole-layer kernel (``attention="fast"``)."""
+        return self.attention == "fast"
 
     # --- transformers interface ---------------------------------------------------------------
     def reset(self) -> None:

@@ -23,8 +23,9 @@ class TieredCache(Cache):
     ----------
     config : the model's config (``model.config``) or the model itself.
     policy : a preset name (see ``kvtier.PRESETS``) or a :class:`TierPolicy`.
-    attention : ``"fast"`` (per-tier attention on the packed data) or ``"reference"`` (each tier
-        decoded to dense K/V for one SDPA call; the oracle the fast path is tested against).
+    attention : ``"fast"`` (attention on the packed data; decode on the CPU in one fused call per
+        layer), ``"per-tier"`` (the same, one partial per tier merged in torch) or ``"reference"``
+        (each tier decoded to dense K/V for one SDPA call; the oracle the fast paths are tested against).
 
     Example
     -------

@@ -5,7 +5,8 @@ transformers' ``QuantizedCache`` (optimum-quanto backend, extra ``kvtier[baselin
 kvtier preset (``default``, ``kivi2``, ``sink-window``, ...) is a :class:`~kvtier.TieredCache`.
 A :class:`~kvtier.TierPolicy` object is accepted too (sweeps). A preset name with the suffix
 ``:reference`` runs kvtier's reference attention (every tier decoded, one SDPA call) instead of
-the fast path, e.g. ``default:reference``; the suffix ``:dense`` runs the preset without its
+the fast path, e.g. ``default:reference``, and ``:per-tier`` the fast path without the fused
+whole-layer decode kernel (one partial per tier, merged in torch); the suffix ``:dense`` runs the preset without its
 sparse attention (``default:dense``), the baseline the sparsity is measured against.
 """
 
@@ -74,8 +75,8 @@ def cache_spec(name: str | TierPolicy) -> CacheSpec:
     if name in PRESETS:
         return CacheSpec(name, PRESETS[name][1]())
     base, _, path = name.partition(":")
-    if base in PRESETS and path == "reference":
-        return CacheSpec(name, PRESETS[base][1](), attention="reference")
+    if base in PRESETS and path in ("reference", "per-tier"):
+        return CacheSpec(name, PRESETS[base][1](), attention=path)
     if base in PRESETS and path == "dense":
         return CacheSpec(name, PRESETS[base][1]().replace(sparse=None, name=name))
     raise ValueError(f"cache {name!r} is not allowed: expected one of {[*BASELINES, *PRESETS]}")
