@@ -29,7 +29,7 @@ case "$1" in
       --samples "${SAMPLES:-1}" --threads 1 --out results/recall-8k.json ;;
   sparse) python benchmarks/sparse_work.py --length 8192 --threads 1 \
       --variants no-sparse tokens-mass0.98 tokens-mass0.97 tokens-mass0.95 | tee results/sparse-8k.log ;;
-  bench) kvtier bench --caches "${CACHES:-$ALL,default:reference}" --contexts 4k,8k --new-tokens 8 --rounds 3 \
+  bench) kvtier bench --caches "${CACHES:-$ALL,default:per-tier,default:reference}" --contexts 4k,8k --new-tokens 8 --rounds 3 \
       --threads 1 --out results/bench.json ;;
   offload) python benchmarks/offload_bench.py --tokens 8192 --new-tokens 8 --rounds 2 --threads 1 --presets offload-cpu \
       | tee results/offload-cpu-8k.log

@@ -57,12 +57,17 @@ SPARSE = {
     "b64-hot64 +tokens-quantile0.3": B64.replace(sparse=SparsePolicy(64, "tokens", "quantile", 0.3)),
 }
 # the shipped default (4-bit beyond the hot window) against a 3-bit cold tier beyond a 4-bit warm
-# window, sparse decode attention in all: what it takes to hold <= 0.30 of fp16 bytes at 4k
+# window, with and without the Hadamard rotation before the cold code, sparse decode attention in
+# all: what it takes to hold <= 0.30 of fp16 bytes at 4k
+_C3 = D.replace(cold="quant", cold_bits=3)
 BYTES = {
     "default (4-bit everywhere)": D,
-    "warm 2560 4-bit + cold 3-bit": D.replace(warm_tokens=2560, cold="quant", cold_bits=3),
-    "warm 2048 4-bit + cold 3-bit": D.replace(warm_tokens=2048, cold="quant", cold_bits=3),
-    "warm 1024 4-bit + cold 3-bit": D.replace(warm_tokens=1024, cold="quant", cold_bits=3),
+    "warm 2560 4-bit + cold 3-bit": _C3.replace(warm_tokens=2560, cold_rotation=False),
+    "warm 2048 4-bit + cold 3-bit": _C3.replace(warm_tokens=2048, cold_rotation=False),
+    "warm 1024 4-bit + cold 3-bit": _C3.replace(warm_tokens=1024, cold_rotation=False),
+    "warm 2560 4-bit + cold 3-bit rotated": _C3.replace(warm_tokens=2560),
+    "warm 2048 4-bit + cold 3-bit rotated": _C3.replace(warm_tokens=2048),
+    "warm 1024 4-bit + cold 3-bit rotated": _C3.replace(warm_tokens=1024),
 }
 GROUPS = {"first": CANDIDATES, "sparse": SPARSE, "bytes": BYTES}
 

@@ -423,7 +423,7 @@ FIXED_SHAPES = {  # warm bits, cold mode: every code width of the fused kernel's
     "int6+rot": dict(warm_bits=6, cold="sign", cold_rotation=True),
     "int8+int2": dict(warm_bits=8, cold="quant", cold_bits=2),
     "int3+int6": dict(warm_bits=3, cold="quant", cold_bits=6),
-    "int4+int8": dict(warm_bits=4, cold="quant", cold_bits=8),
+    "int4+int8": dict(warm_bits=4, cold="quant", cold_bits=8, cold_rotation=False),
 }
 
 

@@ -144,7 +144,7 @@ def tier_reference64(rows, fields, codec, dim, keep=None):
         k = f["k_mean"] + f["k_scale"] * (2 * ks - 1)
         v = f["v_mean"][..., None] + f["v_scale"][..., None] * (2 * vs - 1)
     k, v = k.reshape(B, H, n * T, dim), v.reshape(B, H, n * T, dim)
-    if not isinstance(codec, KBitCodec) and codec.rotate:
+    if codec.rotate:
         r = rotation(dim).double()
         k, v = k @ r.T, v @ r.T
     allowed = fields["valid"].reshape(B, 1, 1, n * T)

@@ -188,8 +188,9 @@ class TierPolicy:
     cold : ``"sign"`` (1-bit), ``"quant"`` (``cold_bits``-bit), ``"evict"``, or ``"offload"``
         (exact blocks in a block store, a 1-bit key sketch resident: see ``offload``).
     cold_bits : bit width when ``cold == "quant"``.
-    cold_rotation : randomized Hadamard rotation of K and V before the 1-bit sign code (default:
-        on; on SmolLM2 it cuts the perplexity cost of the seed tiers from +8.5% to +3.9%).
+    cold_rotation : randomized Hadamard rotation of K and V before the cold code, the 1-bit sign
+        or the ``cold_bits`` k-bit one (default: on; on SmolLM2 it cuts the perplexity cost of the
+        seed's 1-bit cold tier from +8.5% to +3.9%).
     block_tokens : migration block; also the token group of per-channel key statistics.
     value_group_size : channels per group of per-token value statistics (divides head_dim).
     exact_dtype : storage of sinks and hot tokens: ``"model"`` (the model's dtype),

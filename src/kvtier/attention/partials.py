@@ -179,6 +179,8 @@ def kbit_partial(
     block_mask : optional bool ``[B, H, R, n]``: blocks each row may read (sparse selection).
     select : optional token selection on exact scores (see :func:`_block_softmax`).
     """
+    r = rotation(dim, rows.device) if codec.rotate else None
+    rows = rows @ r if r is not None else rows
     ks = fields["k_scale"].float()  # [B,H,n,1,D]
     qs = _pad_channels(rows.unsqueeze(2) * ks, dim)  # [B,H,n,R,Dp]
     scores = -(rows.unsqueeze(2) * ks * fields["k_zero"].float()).sum(-1, keepdim=True)  # [B,H,n,R,1]
@@ -187,7 +189,8 @@ def kbit_partial(
     p, lse = _block_softmax(scores, fields["valid"], block_mask, select)
     vs, vz = fields["v_scale"], fields["v_zero"]
     out = _weighted_codes(p, fields["v_codes"], codec.bits, vs, dim) - _per_group(p, vz.float() * vs.float(), dim)
-    return Partial(out.sum(2), lse)
+    out = out.sum(2)
+    return Partial(out @ r.T if r is not None else out, lse)
 
 
 def sign_partial(
@@ -253,7 +256,7 @@ def kernel_partial(
 
     ka, kb, va, vb, kc, vc = affine(fields, codec)
     bits = codec.bits if isinstance(codec, KBitCodec) else 1
-    r = rotation(dim, rows.device) if isinstance(codec, SignCodec) and codec.rotate else None
+    r = rotation(dim, rows.device) if codec.rotate else None
     q = rows @ r if r is not None else rows
     out, lse, counts = cpu.packed_attention(
         q, kc, ka, kb, vc, va, vb, fields["valid"].squeeze(1), bits, dim, blocks, row_mask, select

@@ -31,8 +31,8 @@ def block_bounds(rows: torch.Tensor, tier: BlockTier) -> torch.Tensor:
     else:
         s, m = f["k_scale"].float().squeeze(3), f["k_mean"].float().squeeze(3)
         lo, hi = m - s, m + s
-        if tier.codec.rotate:
-            rows = rows @ rotation(rows.shape[-1], rows.device)
+    if tier.codec.rotate:  # bounds of the rotated keys: score the rotated rows
+        rows = rows @ rotation(rows.shape[-1], rows.device)
     bound = rows.clamp(min=0) @ hi.transpose(-1, -2) + rows.clamp(max=0) @ lo.transpose(-1, -2)
     empty = ~f["valid"].any(-1)  # [B,1,n]
     return bound.masked_fill(empty.unsqueeze(2), float("-inf"))

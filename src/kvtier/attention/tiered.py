@@ -83,7 +83,7 @@ def _fused_attend(layer: TieredLayer, rows, q_pos, padding, tiers, sp: SparsePol
     for t, start in zip(tiers, _tier_starts(layer, tiers)):
         f, sign = t.fields, isinstance(t.codec, SignCodec)
         bits = 1 if sign else t.codec.bits
-        rot = rotation(D, rows.device) if sign and t.codec.rotate else None
+        rot = rotation(D, rows.device) if t.codec.rotate else None
         names = (
             ("k_signs", "k_scale", "k_mean", "v_signs", "v_scale", "v_mean")
             if sign

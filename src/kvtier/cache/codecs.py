@@ -34,18 +34,24 @@ def _token_valid(valid: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class KBitCodec:
-    """``bits``-bit asymmetric group quantization (KIVI layout)."""
+    """``bits``-bit asymmetric group quantization (KIVI layout). With ``rotate`` K and V are first
+    rotated by the fixed randomized Hadamard matrix (QuaRot, https://arxiv.org/abs/2404.00456),
+    which spreads outlier channels before the per-channel / per-token grids are fitted."""
 
     bits: int
     value_group: int
+    rotate: bool = False
 
     @property
     def name(self) -> str:
-        return f"int{self.bits}"
+        return f"int{self.bits}" + ("-rot" if self.rotate else "")
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
         B, H, n, T, D = k.shape
         G = self.value_group
+        if self.rotate:
+            r = rotation(D, k.device)
+            k, v = k.float() @ r, v.float() @ r
         tv = _token_valid(valid)
         kq, ks, kz = quantize_kbit(k, self.bits, dim=3, valid=tv)
         vq, vs, vz = quantize_kbit(v.reshape(B, H, n, T, D // G, G), self.bits, dim=5, valid=tv.unsqueeze(-1))
@@ -62,15 +68,20 @@ class KBitCodec:
         return self.decode_keys(f, dim, dtype), self.decode_values(f, dim, dtype)
 
     def decode_keys(self, f: dict[str, torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_kbit(unpack_bits(f["k_codes"], self.bits, dim), f["k_scale"], f["k_zero"], dtype)
+        codes = unpack_bits(f["k_codes"], self.bits, dim)
+        if not self.rotate:
+            return dequantize_kbit(codes, f["k_scale"], f["k_zero"], dtype)
+        k = dequantize_kbit(codes, f["k_scale"], f["k_zero"], torch.float32)
+        return (k @ rotation(dim, k.device).T).to(dtype)
 
     def decode_values(self, f: dict[str, torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Tensor:
         vq = unpack_bits(f["v_codes"], self.bits, dim)
         B, H, n, T, D = vq.shape
         G = self.value_group
         vq = vq.reshape(B, H, n, T, D // G, G)
-        v = dequantize_kbit(vq, f["v_scale"].unsqueeze(-1), f["v_zero"].unsqueeze(-1), dtype)
-        return v.reshape(B, H, n, T, D)
+        out = torch.float32 if self.rotate else dtype
+        v = dequantize_kbit(vq, f["v_scale"].unsqueeze(-1), f["v_zero"].unsqueeze(-1), out).reshape(B, H, n, T, D)
+        return (v @ rotation(dim, v.device).T).to(dtype) if self.rotate else v
 
     def nbytes(self, B: int, H: int, n: int, T: int, D: int) -> int:
         codes = B * H * n * T * packed_size(D, self.bits)

@@ -73,7 +73,7 @@ def make_codecs(policy: TierPolicy, head_dim: int) -> tuple[Codec, Codec | None]
         return warm, None
     if policy.cold == "sign":
         return warm, SignCodec(g, rotate=policy.cold_rotation)
-    return warm, KBitCodec(policy.cold_bits, g)
+    return warm, KBitCodec(policy.cold_bits, g, rotate=policy.cold_rotation)
 
 
 class TieredLayer(CacheLayerMixin):

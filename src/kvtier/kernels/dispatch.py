@@ -100,7 +100,7 @@ def gpu_csr_partial(
     mode, names = _FIELDS[type(codec)]
     kc, ka, kb, vc, va, vb = (fields[name] for name in names)
     bits = codec.bits if isinstance(codec, KBitCodec) else 1
-    r = rotation(dim, rows.device) if isinstance(codec, SignCodec) and codec.rotate else None
+    r = rotation(dim, rows.device) if codec.rotate else None
     q = rows @ r if r is not None else rows
     valid = fields["valid"].squeeze(1)
     out, lse = td.packed_attention_csr(
