@@ -489,3 +489,31 @@ def test_fused_token_sparse_equals_per_tier_kernel(method, level, D, monkeypatch
     assert (results["kernel"][0] - results["fused"][0]).abs().max() < 1e-5
     assert results["kernel"][1] == results["fused"][1]
     assert results["fused"][1]["value_skipped_fraction"] > 0.3
+
+
+def test_fused_kernel_is_the_same_on_more_threads():
+    """Heads are split across threads; each has its own buffers: 1 and 2 threads agree exactly."""
+    from kvtier.kernels import fused_cpu
+
+    if not fused_cpu.available():
+        pytest.skip("fused CPU kernel could not be built here")
+    policy = TierPolicy(
+        hot_tokens=8,
+        warm_tokens=64,
+        block_tokens=16,
+        sink_tokens=4,
+        value_group_size=32,
+        sparse=SparsePolicy(16, "tokens", "mass", 0.9),
+        layer_overrides={},
+    )
+    layer, valid = build_layer(policy, 2, 4, 64, [200, 3, 1], [0, 17])
+    query = torch.randn(2, 8, 1, 64, generator=torch.Generator().manual_seed(2))
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(tiered_attention(layer, query, mask_for(valid, 1), 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])

@@ -289,17 +289,22 @@ def _exact() -> TierPolicy:
 
 
 def _default() -> TierPolicy:
-    # Measured (benchmarks/sweep_policies.py, SmolLM2, streamed 4k): 4-bit beyond a 64-token hot
-    # window with 64-token key groups costs +0.22% perplexity at 0.300 of fp16 bytes at 8k; 128-token
-    # groups cost +0.57%, 3-bit +1.8%, a 4-bit warm window before a 3-bit cold tier +3.1%.
-    # Sparse decode attention (benchmarks/sparse_work.py, 8k, two books): dropping at most 2% of a
-    # row's softmax mass beyond a 64-token local window skips ~43% of attention work for +0.2%
-    # perplexity against the same policy dense; 3% skips ~44% for +0.4%, 5% ~46% for +0.8%.
+    # Measured (benchmarks/sweep_policies.py, SmolLM2, streamed, two books): 4-bit beyond a 64-token
+    # hot window with 64-token key groups costs +0.22% perplexity at 0.300 of fp16 bytes at 8k (0.313
+    # at 4k); 128-token groups cost +0.57%, 3-bit everywhere +1.8%. A 3-bit cold tier beyond a 1,024
+    # token 4-bit warm window costs +1.24% (4k) unrotated, +0.27% (4k) / +0.29% (8k) after the
+    # Hadamard rotation, at 0.271 / 0.246 of fp16 bytes (warm 2,560 unrotated: +0.24% at 4k but
+    # +2.99% at 8k). Sparse decode attention (benchmarks/sparse_work.py, 8k, two books): dropping at
+    # most 2% of a row's softmax mass beyond a 64-token local window skips ~43% of the attention work
+    # for +0.2% perplexity against the same policy dense (4-bit everywhere).
     return TierPolicy(
         hot_tokens=64,
-        warm_tokens=None,
+        warm_tokens=1024,
         warm_bits=4,
         sink_tokens=32,
+        cold="quant",
+        cold_bits=3,
+        cold_rotation=True,
         block_tokens=64,
         value_group_size=64,
         exact_dtype="half",
@@ -326,13 +331,20 @@ def _max_compression() -> TierPolicy:
 
 def _chat() -> TierPolicy:
     return _default().replace(
-        hot_tokens=192, sparse=SparsePolicy(local_window=64, select="tokens", method="mass", level=0.97), name="chat"
+        hot_tokens=192,
+        warm_tokens=None,  # 4-bit beyond the hot window (measured so; no cold tier)
+        sparse=SparsePolicy(local_window=64, select="tokens", method="mass", level=0.97),
+        name="chat",
     )
 
 
 def _code() -> TierPolicy:
     return _default().replace(
-        hot_tokens=256, warm_bits=6, sparse=SparsePolicy(local_window=128, select="tokens", level=0.99), name="code"
+        hot_tokens=256,
+        warm_tokens=None,  # conservative: 6-bit beyond the hot window, no cold tier
+        warm_bits=6,
+        sparse=SparsePolicy(local_window=128, select="tokens", level=0.99),
+        name="code",
     )
 
 
@@ -389,11 +401,16 @@ def _offload_disk() -> TierPolicy:
 
 PRESETS: dict[str, _Preset] = {
     "default": (
-        "hot 64 + 32 sinks exact (fp16), every older token 4-bit; sparse decode attention (<= 2% of the mass dropped)",
+        "hot 64 + 32 sinks exact (fp16), 1,024 warm tokens 4-bit, older ones 3-bit after a Hadamard rotation; "
+        "sparse decode attention (<= 2% of the mass dropped)",
         _default,
     ),
     "max-compression": ("hot 128 exact, warm 1,024 at 4 bits, cold 1-bit signs, 32 sinks", _max_compression),
-    "chat": ("default with hot 192 and sparse decode attention (<= 3% of the mass dropped) beyond 64 tokens", _chat),
+    "chat": (
+        "hot 192 + 32 sinks exact, every older token 4-bit; sparse decode attention (<= 3% of the mass dropped) "
+        "beyond 64 tokens",
+        _chat,
+    ),
     "code": ("6-bit warm, hot 256, sparse mass 0.99 beyond a 128-token local window: conservative", _code),
     "exact": ("no compression; matches DynamicCache token for token", _exact),
     "kivi2": ("baseline: 2-bit warm over all non-hot tokens (KIVI layout), hot 128", _kivi2),

@@ -65,12 +65,11 @@ inline float fexp(float x) {
 struct Term {
   int64_t start, nbytes, shift, mask, per, i;
   float weight;
-  std::vector<int64_t> glo, ghi;  // byte range of each value channel group
 };
 
 // Bit-plane layout of kvtier.quant.pack_bits: a b-bit code is split into widths 4/2/1 (8 whole);
 // a width-w plane packs 8/w channels per byte, channel c = j * per + i in byte j of term i.
-std::vector<Term> make_terms(int64_t bits, int64_t dim, int64_t group) {
+std::vector<Term> make_terms(int64_t bits, int64_t dim) {
   std::vector<int64_t> widths;
   switch (bits) {
     case 1: widths = {1}; break;
@@ -88,18 +87,7 @@ std::vector<Term> make_terms(int64_t bits, int64_t dim, int64_t group) {
   int64_t start = 0, off = 0;
   for (int64_t w : widths) {
     const int64_t per = 8 / w, size = n_pad / per;
-    for (int64_t i = 0; i < per; ++i) {
-      Term t{start, size, w * i, (1 << w) - 1, per, i, float(1 << off), {}, {}};
-      const int64_t ng = dim / group;
-      for (int64_t g = 0; g < ng; ++g) {
-        auto ceil_div = [](int64_t a, int64_t b) { return a >= 0 ? (a + b - 1) / b : -((-a) / b); };
-        int64_t lo = std::max<int64_t>(0, ceil_div(g * group - i, per));
-        int64_t hi = std::min<int64_t>(size, ceil_div((g + 1) * group - i, per));
-        t.glo.push_back(lo);
-        t.ghi.push_back(std::max(lo, hi));
-      }
-      terms.push_back(t);
-    }
+    for (int64_t i = 0; i < per; ++i) terms.push_back({start, size, w * i, (1 << w) - 1, per, i, float(1 << off)});
     start += size;
     off += w;
   }
@@ -113,16 +101,43 @@ constexpr int width_at(int bits, int k) {
   return W[bits][k];
 }
 constexpr int npad_of(int bits, int D) { return bits == 8 ? D : (D + 7) / 8 * 8; }
+// Positions the fast path unpacks a token into: codes of <= 3 bits are whole codes in channel
+// order (their 2- and 1-bit planes combined); wider ones one position per plane and channel.
+constexpr bool combined(int bits) { return bits <= 3; }
 constexpr int npos_of(int bits, int D) {
-  return npad_of(bits, D) * ((width_at(bits, 0) > 0) + (width_at(bits, 1) > 0) + (width_at(bits, 2) > 0));
+  return combined(bits) ? npad_of(bits, D)
+                        : npad_of(bits, D) * ((width_at(bits, 0) > 0) + (width_at(bits, 1) > 0) + (width_at(bits, 2) > 0));
 }
+
+// Byte -> its 8 one-bit or 4 two-bit sub-values as floats, in channel order.
+struct Luts {
+  alignas(32) float b1[256][8];
+  alignas(16) float b2[256][4];
+  Luts() {
+    for (int b = 0; b < 256; ++b) {
+      for (int i = 0; i < 8; ++i) b1[b][i] = float((b >> i) & 1);
+      for (int i = 0; i < 4; ++i) b2[b][i] = float((b >> (2 * i)) & 3);
+    }
+  }
+};
+const Luts kLut;
+
+// True when the fast path lays a width-W plane out in channel order (a table lookup per byte);
+// wider planes stay in term order (each term is one shift of every byte: a SIMD loop).
+constexpr bool lut_plane(int W) { return W == 1 || W == 2; }
 
 template <int W, int NPAD>
 inline void plane(const uint8_t* __restrict code, float* __restrict u) {
   constexpr int per = 8 / W, size = NPAD / per, mask = (1 << W) - 1;
-  for (int i = 0; i < per; ++i) {
+  if constexpr (W == 1) {
+    for (int j = 0; j < size; ++j) std::memcpy(u + 8 * j, kLut.b1[code[j]], 8 * sizeof(float));
+  } else if constexpr (W == 2) {
+    for (int j = 0; j < size; ++j) std::memcpy(u + 4 * j, kLut.b2[code[j]], 4 * sizeof(float));
+  } else {
+    for (int i = 0; i < per; ++i) {
 #pragma omp simd
-    for (int j = 0; j < size; ++j) u[i * size + j] = float((code[j] >> (W * i)) & mask);
+      for (int j = 0; j < size; ++j) u[i * size + j] = float((code[j] >> (W * i)) & mask);
+    }
   }
 }
 
@@ -130,6 +145,14 @@ inline void plane(const uint8_t* __restrict code, float* __restrict u) {
 template <int BITS, int D>
 inline void unpack_t(const uint8_t* __restrict code, float* __restrict u) {
   constexpr int NPAD = npad_of(BITS, D), W0 = width_at(BITS, 0), W1 = width_at(BITS, 1), W2 = width_at(BITS, 2);
+  if constexpr (BITS == 3) {  // whole codes: 2-bit plane + 4 x 1-bit plane, channel order
+    alignas(64) float hi[NPAD];
+    plane<2, NPAD>(code, u);
+    plane<1, NPAD>(code + NPAD / 4, hi);
+#pragma omp simd
+    for (int c = 0; c < NPAD; ++c) u[c] += 4.f * hi[c];
+    return;
+  }
   plane<W0, NPAD>(code, u);
   if constexpr (W1 > 0) plane<W1, NPAD>(code + NPAD / (8 / W0), u + NPAD);
   if constexpr (W2 > 0) plane<W2, NPAD>(code + NPAD / (8 / W0) + NPAD / (8 / W1), u + 2 * NPAD);
@@ -301,7 +324,44 @@ struct Tier {
   int64_t n, T, P, NG, G, bits, start, npos;
   std::vector<Term> terms;
   Fast fast;
+  // per position of the unpacked codes (the order the path unpacks in): channel (>= D: padding),
+  // plane weight, value group
+  std::vector<int64_t> pchan, pgroup;
+  std::vector<float> pw;
 };
+
+// Position maps of a tier: term order (runtime path), or with lut_plane planes in channel order.
+void position_maps(Tier& t, int64_t D) {
+  t.pchan.clear();
+  t.pw.clear();
+  if (t.fast.scores && combined((int)t.bits)) {  // whole codes in channel order
+    const int64_t npad = (D + 7) / 8 * 8;
+    for (int64_t c = 0; c < npad; ++c) { t.pchan.push_back(c); t.pw.push_back(1.f); }
+    t.pgroup.resize(npad);
+    for (int64_t c = 0; c < npad; ++c) t.pgroup[c] = c < D ? c / t.G : 0;
+    return;
+  }
+  int64_t prev_start = -1, plane_pos = 0;
+  for (const auto& term : t.terms) {
+    const int64_t w = 8 / term.per;
+    if (term.start != prev_start) { prev_start = term.start; plane_pos = (int64_t)t.pchan.size(); }
+    const bool lut = t.fast.scores && lut_plane((int)w);
+    for (int64_t j = 0; j < term.nbytes; ++j) {
+      const int64_t c = j * term.per + term.i;
+      if (lut) {  // channel order inside the plane: position plane_pos + c
+        const int64_t pos = plane_pos + c;
+        if ((int64_t)t.pchan.size() <= pos) { t.pchan.resize(pos + 1, D); t.pw.resize(pos + 1, 0.f); }
+        t.pchan[pos] = c;
+        t.pw[pos] = term.weight;
+      } else {
+        t.pchan.push_back(c);
+        t.pw.push_back(term.weight);
+      }
+    }
+  }
+  t.pgroup.resize(t.pchan.size());
+  for (size_t k = 0; k < t.pchan.size(); ++k) t.pgroup[k] = t.pchan[k] < D ? t.pchan[k] / t.G : 0;
+}
 
 int64_t kind_of(const torch::Tensor& t) {
   if (t.scalar_type() == torch::kFloat32) return 0;
@@ -363,10 +423,12 @@ std::vector<torch::Tensor> layer_attention(
     t.G = D / t.NG;
     t.bits = tier_info[3 * s];
     t.start = tier_info[3 * s + 1];
-    t.terms = make_terms(t.bits, D, t.G);
+    t.terms = make_terms(t.bits, D);
     t.npos = 0;
     for (const auto& term : t.terms) t.npos += term.nbytes;
     t.fast = fast_for(t.bits, D);
+    position_maps(t, D);
+    t.npos = (int64_t)t.pchan.size();
     tv.push_back(std::move(t));
   }
   const int64_t* ff = sel_method ? forced_from.data_ptr<int64_t>() : nullptr;
@@ -472,13 +534,9 @@ std::vector<torch::Tensor> layer_attention(
           const float* bo = kb.data();
           for (int64_t r = 0; r < R; ++r) {
             bias[r] = dot_n(qt + r * D, bo, D);
-            int64_t pos = 0;
-            for (const auto& term : t.terms) {
-              for (int64_t j = 0; j < term.nbytes; ++j) {
-                const int64_t c = j * term.per + term.i;
-                qs[r * npos + pos + j] = c < D ? qt[r * D + c] * a[c] * term.weight : 0.f;
-              }
-              pos += term.nbytes;
+            for (int64_t k = 0; k < npos; ++k) {
+              const int64_t c = t.pchan[k];
+              qs[r * npos + k] = c < D ? qt[r * D + c] * a[c] * t.pw[k] : 0.f;
             }
           }
           const uint8_t* codes = t.kc + ((bh * n + blk) * T) * P;
@@ -645,16 +703,10 @@ std::vector<torch::Tensor> layer_attention(
               for (int64_t j = 0; j < npos; ++j) acc[j] += pa * u[j];
               continue;
             }
-            const float* uu = u.data();
-            for (const auto& term : t.terms) {
-              for (int64_t g = 0; g < NG; ++g) {
-                const float pa = p * a[g];
-#pragma omp simd
-                for (int64_t j = term.glo[g]; j < term.ghi[g]; ++j) acc[j] += pa * uu[j];
-              }
-              acc += term.nbytes;
-              uu += term.nbytes;
-            }
+            float pa[64];
+            for (int64_t g = 0; g < NG; ++g) pa[g] = p * a[g];
+            const int64_t* pg = t.pgroup.data();
+            for (int64_t k = 0; k < npos; ++k) acc[k] += pa[pg[k]] * u[k];
           }
         }
         // the tier's normalized output in channel order (rotated back)
@@ -664,13 +716,8 @@ std::vector<torch::Tensor> layer_attention(
           const float kept = tkept[ti * R + r];
           if (kept == 0.f) continue;
           const float* acc = vacc.data() + r * npos;
-          for (const auto& term : t.terms) {
-            for (int64_t j = 0; j < term.nbytes; ++j) {
-              const int64_t c = j * term.per + term.i;
-              if (c < D) dst[c] += acc[j] * term.weight;
-            }
-            acc += term.nbytes;
-          }
+          for (int64_t k = 0; k < npos; ++k)
+            if (t.pchan[k] < D) dst[t.pchan[k]] += acc[k] * t.pw[k];
           const float inv = 1.f / kept;
           for (int64_t c = 0; c < D; ++c) dst[c] = (dst[c] + zacc[r * NG + c / t.G]) * inv;
         }
@@ -719,7 +766,7 @@ def _module():
     from torch.utils.cpp_extension import load_inline
 
     return load_inline(
-        name="kvtier_fused_cpu_v4",
+        name="kvtier_fused_cpu_v6",
         cpp_sources=[_SOURCE],
         functions=["layer_attention"],
         extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"],
