@@ -105,8 +105,8 @@ constexpr int npad_of(int bits, int D) { return bits == 8 ? D : (D + 7) / 8 * 8;
 // order (their 2- and 1-bit planes combined); wider ones one position per plane and channel.
 constexpr bool combined(int bits) { return bits <= 3; }
 constexpr int npos_of(int bits, int D) {
-  return combined(bits) ? npad_of(bits, D)
-                        : npad_of(bits, D) * ((width_at(bits, 0) > 0) + (width_at(bits, 1) > 0) + (width_at(bits, 2) > 0));
+  const int planes = (width_at(bits, 0) > 0) + (width_at(bits, 1) > 0) + (width_at(bits, 2) > 0);
+  return combined(bits) ? npad_of(bits, D) : npad_of(bits, D) * planes;
 }
 
 // Byte -> its 8 one-bit or 4 two-bit sub-values as floats, in channel order.
