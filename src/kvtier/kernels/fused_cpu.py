@@ -328,6 +328,7 @@ struct Tier {
   // plane weight, value group
   std::vector<int64_t> pchan, pgroup;
   std::vector<float> pw;
+  bool identity = false;  // pchan[k] == k, pw[k] == 1
 };
 
 // Position maps of a tier: term order (runtime path), or with lut_plane planes in channel order.
@@ -429,6 +430,8 @@ std::vector<torch::Tensor> layer_attention(
     t.fast = fast_for(t.bits, D);
     position_maps(t, D);
     t.npos = (int64_t)t.pchan.size();
+    t.identity = true;
+    for (int64_t k = 0; k < t.npos; ++k) t.identity = t.identity && t.pchan[k] == k && t.pw[k] == 1.f;
     tv.push_back(std::move(t));
   }
   const int64_t* ff = sel_method ? forced_from.data_ptr<int64_t>() : nullptr;
@@ -520,11 +523,14 @@ std::vector<torch::Tensor> layer_attention(
         int64_t* ctn = cn + (1 + ti) * 3;
         const float* qt = qb;
         if (t.rot) {  // scores and values in the rotated basis: q @ rot
+          std::fill(qr.begin(), qr.end(), 0.f);
           for (int64_t r = 0; r < R; ++r)
-            for (int64_t c = 0; c < D; ++c) {
-              float acc = 0.f;
-              for (int64_t j = 0; j < D; ++j) acc += qb[r * D + j] * t.rot[j * D + c];
-              qr[r * D + c] = acc;
+            for (int64_t j = 0; j < D; ++j) {  // qr[r] += q[r, j] * rot[j, :]
+              const float qj = qb[r * D + j];
+              const float* rj = t.rot + j * D;
+              float* dst = qr.data() + r * D;
+#pragma omp simd
+              for (int64_t c = 0; c < D; ++c) dst[c] += qj * rj[c];
             }
           qt = qr.data();
         }
@@ -534,9 +540,17 @@ std::vector<torch::Tensor> layer_attention(
           const float* bo = kb.data();
           for (int64_t r = 0; r < R; ++r) {
             bias[r] = dot_n(qt + r * D, bo, D);
+            float* w = qs.data() + r * npos;
+            if (t.identity) {  // positions are channels (whole codes): a SIMD product
+              const float* qr_ = qt + r * D;
+#pragma omp simd
+              for (int64_t c = 0; c < D; ++c) w[c] = qr_[c] * a[c];
+              for (int64_t k = D; k < npos; ++k) w[k] = 0.f;
+              continue;
+            }
             for (int64_t k = 0; k < npos; ++k) {
               const int64_t c = t.pchan[k];
-              qs[r * npos + k] = c < D ? qt[r * D + c] * a[c] * t.pw[k] : 0.f;
+              w[k] = c < D ? qt[r * D + c] * a[c] * t.pw[k] : 0.f;
             }
           }
           const uint8_t* codes = t.kc + ((bh * n + blk) * T) * P;
@@ -724,11 +738,7 @@ std::vector<torch::Tensor> layer_attention(
         for (int64_t r = 0; r < R; ++r) {
           float* dst = tout.data() + (ti * R + r) * D;
           if (!t.rot) { std::copy(tacc.data() + r * D, tacc.data() + (r + 1) * D, dst); continue; }
-          for (int64_t c = 0; c < D; ++c) {  // out @ rot^T
-            float acc = 0.f;
-            for (int64_t j = 0; j < D; ++j) acc += tacc[r * D + j] * t.rot[c * D + j];
-            dst[c] = acc;
-          }
+          for (int64_t c = 0; c < D; ++c) dst[c] = dot_n(tacc.data() + r * D, t.rot + c * D, D);  // out @ rot^T
         }
       }
       // 5. log-sum-exp merge of the exact part and the tiers
@@ -766,7 +776,7 @@ def _module():
     from torch.utils.cpp_extension import load_inline
 
     return load_inline(
-        name="kvtier_fused_cpu_v6",
+        name="kvtier_fused_cpu_v7",
         cpp_sources=[_SOURCE],
         functions=["layer_attention"],
         extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"],
