@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.codecs import KBitCodec, SignCodec
+from ..cache.codecs import SignCodec
 from ..cache.layer import TieredLayer
 from ..diagnostics import SparseStats
 from ..kernels import fused_cpu
@@ -52,17 +52,37 @@ def _hot_allowed(layer: TieredLayer, q_pos: torch.Tensor, padding: torch.Tensor 
     return allowed.unsqueeze(1).expand(Bm, groups, q, L).reshape(Bm, 1, groups * q, L)
 
 
-def _fused_ok(layer: TieredLayer, rows: torch.Tensor, tiers, sp: SparsePolicy | None) -> bool:
+def _fused_ok(rows: torch.Tensor, sp: SparsePolicy | None) -> bool:
+    """Decode rows on the CPU, dense or token selection, and the fused kernel built."""
     return (
         rows.is_cpu
         and rows.shape[2] <= partials.KERNEL_MAX_ROWS
         and (sp is None or sp.select == "tokens")
-        and all(isinstance(t.codec, (KBitCodec, SignCodec)) for t in tiers)
         and fused_cpu.available()
     )
 
 
-def _fused_attend(layer: TieredLayer, rows, q_pos, padding, tiers, sp: SparsePolicy | None, stats) -> torch.Tensor:
+def _count_tier(stats: SparseStats, t, B: int, H: int, D: int, scored: int, valued: int, read_tokens: int) -> None:
+    """Add one tier's selected work to ``stats``: pairs scored and valued, bytes read of the
+    tier's bytes (keys always, values only of the ``read_tokens`` some row kept)."""
+    total = t.codec.nbytes(B, H, t.nblocks, t.block_tokens, D)
+    real_tokens = int(t.fields["valid"].sum()) * H
+    stats.pairs += scored
+    stats.scored += scored
+    stats.valued += valued
+    stats.bytes_total += total
+    stats.bytes_read += int(total - (real_tokens - read_tokens) * _value_bytes_per_token(t, D))
+
+
+def _dense_call(stats: SparseStats, tiers, H: int, R: int) -> SparseStats:
+    """A long call under a sparse policy (prefill): its pairs, counted apart from selection."""
+    pairs = stats.pairs + sum(int(t.fields["valid"].sum()) for t in tiers) * H * R
+    return SparseStats(dense_calls=1, dense_pairs=pairs)
+
+
+def _fused_attend(
+    layer: TieredLayer, rows, q_pos, padding, tiers, sp: SparsePolicy | None, stats
+) -> tuple[torch.Tensor, SparseStats | None]:
     """Every segment of the layer in one :func:`kvtier.kernels.fused_cpu.layer_attention` call;
     the same result and work counts as the per-tier path of :func:`_attend`."""
     B, H, R, D = rows.shape
@@ -84,29 +104,16 @@ def _fused_attend(layer: TieredLayer, rows, q_pos, padding, tiers, sp: SparsePol
         f, sign = t.fields, isinstance(t.codec, SignCodec)
         bits = 1 if sign else t.codec.bits
         rot = rotation(D, rows.device) if t.codec.rotate else None
-        names = (
-            ("k_signs", "k_scale", "k_mean", "v_signs", "v_scale", "v_mean")
-            if sign
-            else ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
-        )
-        args.append(((*(f[n] for n in names), f["valid"].squeeze(1)), bits, start, sign, rot))
+        args.append(((*(f[n] for n in t.codec.KERNEL_FIELDS), f["valid"].squeeze(1)), bits, start, sign, rot))
     select = None if sp is None else (sp.method, sp.level, q_pos.repeat(R // q) - sp.local_window + 1)
     out, _, counts = fused_cpu.layer_attention(rows, exact, args, select)
     if stats is not None:
         c = counts.sum(0).tolist()  # [1 + tiers][scored, valued, read tokens]
         stats.dense(c[0][0])
-        if sp is None:  # a long call under a sparse policy (prefill): counted apart
-            pairs = stats.pairs + sum(int(t.fields["valid"].sum()) for t in tiers) * H * R
-            return out, SparseStats(dense_calls=1, dense_pairs=pairs)
-        T = layer.policy.block_tokens
+        if sp is None:
+            return out, _dense_call(stats, tiers, H, R)
         for t, (scored, valued, read_tokens) in zip(tiers, c[1:]):
-            total = t.codec.nbytes(B, H, t.nblocks, T, D)
-            real_tokens = int(t.fields["valid"].sum()) * H
-            stats.pairs += scored
-            stats.scored += scored
-            stats.valued += valued
-            stats.bytes_total += total
-            stats.bytes_read += int(total - (real_tokens - read_tokens) * _value_bytes_per_token(t, D))
+            _count_tier(stats, t, B, H, D, scored, valued, read_tokens)
     return out, stats
 
 
@@ -120,7 +127,7 @@ def _attend(
     R = rows.shape[2]
     stats = SparseStats(calls=1) if layer.policy.sparse is not None else None
     tiers = [t for t in (layer.cold, layer.warm) if t is not None and t.nblocks]
-    if layer.fused and _fused_ok(layer, rows, tiers, sp):
+    if layer.fused and _fused_ok(rows, sp):
         out, stats = _fused_attend(layer, rows, q_pos, padding, tiers, sp, stats)
         if stats is not None:
             layer.sparse_stats.add(stats)
@@ -144,9 +151,8 @@ def _attend(
         parts += _token_sparse_parts(layer, rows, row_pos, tiers, sp, stats, exact_lse)
     else:
         parts += [tier_partial(rows, t.fields, t.codec, D) for t in tiers]
-        if stats is not None and sp is None:  # a long call under a sparse policy (prefill): counted apart
-            pairs = stats.pairs + sum(int(t.fields["valid"].sum()) for t in tiers) * H * R
-            stats = SparseStats(dense_calls=1, dense_pairs=pairs)
+        if stats is not None and sp is None:
+            stats = _dense_call(stats, tiers, H, R)
     if stats is not None:
         layer.sparse_stats.add(stats)
     return from_rows(merge(parts), Hq, q)
@@ -177,13 +183,9 @@ def _token_sparse_parts(
 ):
     """Exact scores from the packed keys; value work only for tokens passing the row's threshold.
     ``exact_lse [B,H,R]``: log mass of the row's exact tokens (sinks, hot), part of the mass rule."""
-    T = layer.policy.block_tokens
     B, H, R, D = rows.shape
     parts = []
     for t, start in zip(tiers, _tier_starts(layer, tiers)):
-        total = t.codec.nbytes(B, H, t.nblocks, T, D)
-        vbytes = _value_bytes_per_token(t, D)
-        real_tokens = int(t.fields["valid"].sum()) * H
         if rows.is_cpu and cpu_kernel_available():  # the kernel selects in C++: faster at any row count
             forced_from = row_pos - sp.local_window + 1
             select = (sp.method, sp.level, forced_from, start, exact_lse)
@@ -203,11 +205,7 @@ def _token_sparse_parts(
             scored, valued = int(kept["valid"].sum()), int(kept["keep"].sum())
             read_tokens = int(kept["keep"].any(2).sum())
         parts.append(part)
-        stats.pairs += scored
-        stats.scored += scored
-        stats.valued += valued
-        stats.bytes_total += total
-        stats.bytes_read += int(total - (real_tokens - read_tokens) * vbytes)
+        _count_tier(stats, t, B, H, D, scored, valued, read_tokens)
     return parts
 
 

@@ -10,6 +10,7 @@ planner and the cache's own report count the same bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -41,6 +42,8 @@ class KBitCodec:
     bits: int
     value_group: int
     rotate: bool = False
+    #: key codes, key scale, key zero, value codes, value scale, value zero (the kernels' order)
+    KERNEL_FIELDS: ClassVar[tuple[str, ...]] = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
 
     @property
     def name(self) -> str:
@@ -98,6 +101,8 @@ class SignCodec:
 
     value_group: int
     rotate: bool = False
+    #: key signs, key scale, key mean, value signs, value scale, value mean (the kernels' order)
+    KERNEL_FIELDS: ClassVar[tuple[str, ...]] = ("k_signs", "k_scale", "k_mean", "v_signs", "v_scale", "v_mean")
 
     @property
     def name(self) -> str:

@@ -22,17 +22,10 @@ import warnings
 
 import torch
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
-#include <cmath>
-#include <functional>
-#include <limits>
-#include <vector>
-
-namespace {
-
+#: The bit-plane term table of :func:`kvtier.quant.pack_bits` codes, shared by the C++ kernels:
+#: a b-bit code is split into widths 4/2/1 (8 whole); a width-w plane packs 8/w channels per byte,
+#: channel ``c = j * per + i`` in byte ``j`` of term ``i``; ``glo/ghi`` are each value group's bytes.
+TERMS_SOURCE = r"""
 struct Term {
   int64_t start, nbytes, shift, mask, per, i;
   float weight;
@@ -74,7 +67,23 @@ std::vector<Term> make_terms(int64_t bits, int64_t dim, int64_t group) {
   }
   return terms;
 }
+"""
 
+_SOURCE = (
+    r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <vector>
+
+namespace {
+
+"""
+    + TERMS_SOURCE
+    + r"""
 // Codes of one token, bit-plane term by term, as floats (channel order of the terms).
 inline void unpack(const uint8_t* code, const std::vector<Term>& terms, float* u) {
   for (const auto& t : terms) {
@@ -307,6 +316,7 @@ std::vector<torch::Tensor> packed_attention(
   return {out, lse, counts};
 }
 """
+)
 
 
 @functools.lru_cache(maxsize=1)

@@ -33,10 +33,7 @@ def use_triton(rows: torch.Tensor) -> bool:
     return rows.is_cuda and available()
 
 
-_FIELDS = {
-    KBitCodec: ("scale_zero", ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")),
-    SignCodec: ("scale_mean", ("k_signs", "k_scale", "k_mean", "v_signs", "v_scale", "v_mean")),
-}
+_MODES = {KBitCodec: "scale_zero", SignCodec: "scale_mean"}
 
 
 def gpu_partial(
@@ -97,8 +94,8 @@ def gpu_csr_partial(
     """
     from . import triton_decode as td
 
-    mode, names = _FIELDS[type(codec)]
-    kc, ka, kb, vc, va, vb = (fields[name] for name in names)
+    mode = _MODES[type(codec)]
+    kc, ka, kb, vc, va, vb = (fields[name] for name in codec.KERNEL_FIELDS)
     bits = codec.bits if isinstance(codec, KBitCodec) else 1
     r = rotation(dim, rows.device) if codec.rotate else None
     q = rows @ r if r is not None else rows

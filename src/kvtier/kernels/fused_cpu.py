@@ -28,7 +28,10 @@ import warnings
 
 import torch
 
-_SOURCE = r"""
+from .cpu import TERMS_SOURCE
+
+_SOURCE = (
+    r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -62,38 +65,9 @@ inline float fexp(float x) {
   return x < -87.0f ? 0.0f : p * s;
 }
 
-struct Term {
-  int64_t start, nbytes, shift, mask, per, i;
-  float weight;
-};
-
-// Bit-plane layout of kvtier.quant.pack_bits: a b-bit code is split into widths 4/2/1 (8 whole);
-// a width-w plane packs 8/w channels per byte, channel c = j * per + i in byte j of term i.
-std::vector<Term> make_terms(int64_t bits, int64_t dim) {
-  std::vector<int64_t> widths;
-  switch (bits) {
-    case 1: widths = {1}; break;
-    case 2: widths = {2}; break;
-    case 3: widths = {2, 1}; break;
-    case 4: widths = {4}; break;
-    case 5: widths = {4, 1}; break;
-    case 6: widths = {4, 2}; break;
-    case 7: widths = {4, 2, 1}; break;
-    case 8: widths = {8}; break;
-    default: TORCH_CHECK(false, "bits must be in 1..8");
-  }
-  const int64_t n_pad = bits == 8 ? dim : (dim + 7) / 8 * 8;
-  std::vector<Term> terms;
-  int64_t start = 0, off = 0;
-  for (int64_t w : widths) {
-    const int64_t per = 8 / w, size = n_pad / per;
-    for (int64_t i = 0; i < per; ++i) terms.push_back({start, size, w * i, (1 << w) - 1, per, i, float(1 << off)});
-    start += size;
-    off += w;
-  }
-  return terms;
-}
-
+"""
+    + TERMS_SOURCE
+    + r"""
 // --- fixed-shape code paths: (bits, D) known at compile time, so every loop unrolls into SIMD ---
 constexpr int width_at(int bits, int k) {
   constexpr int W[9][3] = {{0, 0, 0}, {1, 0, 0}, {2, 0, 0}, {2, 1, 0}, {4, 0, 0},
@@ -424,7 +398,7 @@ std::vector<torch::Tensor> layer_attention(
     t.G = D / t.NG;
     t.bits = tier_info[3 * s];
     t.start = tier_info[3 * s + 1];
-    t.terms = make_terms(t.bits, D);
+    t.terms = make_terms(t.bits, D, t.G);
     t.npos = 0;
     for (const auto& term : t.terms) t.npos += term.nbytes;
     t.fast = fast_for(t.bits, D);
@@ -457,7 +431,7 @@ std::vector<torch::Tensor> layer_attention(
     std::vector<float> se(R * std::max<int64_t>(LE, 1)), kf(D), eacc(R * D), emax(R), esum(R);
     std::vector<float> sc(R * std::max<int64_t>(maxN, 1)), e(std::max<int64_t>(maxN, 1)), qs(R * maxpos), qr(R * D);
     std::vector<float> ka(D), kb(D), bias(R), uf(maxT), u(maxpos), vacc(R * maxpos), zacc(R * maxNG), tacc(R * D);
-    std::vector<float> tmax(R * NT), tlse(R * NT), tkept(R * NT), tout(NT * R * D), tmp;
+    std::vector<float> tlse(R * NT), tkept(R * NT), tout(NT * R * D), tmp;
     std::vector<int> bk(std::max<int64_t>(maxN, 1));
     std::vector<uint8_t> ct(maxP * maxT), anyrow(std::max<int64_t>(maxN, 1));
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -600,7 +574,6 @@ std::vector<torch::Tensor> layer_attention(
             nvalid += row[x] != NEG;
           }
           ctn[0] += nvalid;
-          tmax[ti * R + r] = m;
           if (m == NEG) {
             tlse[ti * R + r] = NEG;
             tkept[ti * R + r] = 0.f;
@@ -769,6 +742,7 @@ std::vector<torch::Tensor> layer_attention(
   return {out, lse, counts};
 }
 """
+)
 
 
 @functools.lru_cache(maxsize=1)
