@@ -517,3 +517,14 @@ def test_fused_kernel_is_the_same_on_more_threads():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_a_kernel_that_does_not_build_warns_and_reports_unavailable():
+    from kvtier.kernels import build
+
+    def broken():
+        raise RuntimeError("no compiler")
+
+    with pytest.warns(UserWarning, match="demo kernel unavailable, using the torch path: no compiler"):
+        assert build.check(broken, "demo kernel", "the torch path") is False
+    assert build.check(lambda: object(), "demo kernel", "the torch path") is True

@@ -18,9 +18,10 @@ the torch path.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
+
+from . import build
 
 #: The bit-plane term table of :func:`kvtier.quant.pack_bits` codes, shared by the C++ kernels:
 #: a b-bit code is split into widths 4/2/1 (8 whole); a width-w plane packs 8/w channels per byte,
@@ -321,26 +322,13 @@ std::vector<torch::Tensor> packed_attention(
 
 @functools.lru_cache(maxsize=1)
 def _module():
-    from torch.utils.cpp_extension import load_inline
-
-    return load_inline(
-        name="kvtier_cpu_v6",
-        cpp_sources=[_SOURCE],
-        functions=["packed_attention"],
-        extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"],
-        verbose=False,
-    )
+    return build.load("kvtier_cpu_v6", _SOURCE, ["packed_attention"], ("-fno-math-errno",))
 
 
 @functools.lru_cache(maxsize=1)
 def available() -> bool:
     """True when the kernel compiled (once per machine; cached by torch)."""
-    try:
-        _module()
-        return True
-    except Exception as err:  # noqa: BLE001 - any build failure means: use the torch path
-        warnings.warn(f"kvtier CPU kernel unavailable, using the torch path: {err}", stacklevel=2)
-        return False
+    return build.check(_module, "kvtier CPU kernel", "the torch path")
 
 
 def packed_attention(

@@ -24,10 +24,10 @@ tests compare it with. When the build fails :func:`available` is False and calle
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 
+from . import build
 from .cpu import TERMS_SOURCE
 
 _SOURCE = (
@@ -747,26 +747,13 @@ std::vector<torch::Tensor> layer_attention(
 
 @functools.lru_cache(maxsize=1)
 def _module():
-    from torch.utils.cpp_extension import load_inline
-
-    return load_inline(
-        name="kvtier_fused_cpu_v7",
-        cpp_sources=[_SOURCE],
-        functions=["layer_attention"],
-        extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"],
-        verbose=False,
-    )
+    return build.load("kvtier_fused_cpu_v7", _SOURCE, ["layer_attention"], ("-fno-math-errno", "-fno-trapping-math"))
 
 
 @functools.lru_cache(maxsize=1)
 def available() -> bool:
     """True when the kernel compiled (once per machine; cached by torch)."""
-    try:
-        _module()
-        return True
-    except Exception as err:  # noqa: BLE001 - any build failure means: use the per-tier path
-        warnings.warn(f"kvtier fused CPU kernel unavailable, using the per-tier path: {err}", stacklevel=2)
-        return False
+    return build.check(_module, "kvtier fused CPU kernel", "the per-tier path")
 
 
 _EMPTY_F = torch.empty(0)

@@ -13,9 +13,10 @@ is present and callers use it instead.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
+
+from . import build
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -106,26 +107,13 @@ torch::Tensor sketch_block_lse(torch::Tensor rows, torch::Tensor signs, torch::T
 
 @functools.lru_cache(maxsize=1)
 def _module():
-    from torch.utils.cpp_extension import load_inline
-
-    return load_inline(
-        name="kvtier_sketch_cpu_v2",
-        cpp_sources=[_SOURCE],
-        functions=["sketch_block_lse"],
-        extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
-        verbose=False,
-    )
+    return build.load("kvtier_sketch_cpu_v2", _SOURCE, ["sketch_block_lse"], ())
 
 
 @functools.lru_cache(maxsize=1)
 def available() -> bool:
     """True when the kernel compiled (once per machine; cached by torch)."""
-    try:
-        _module()
-        return True
-    except Exception as err:  # noqa: BLE001 - any build failure means: use the torch path
-        warnings.warn(f"kvtier sketch kernel unavailable, using the torch path: {err}", stacklevel=2)
-        return False
+    return build.check(_module, "kvtier sketch kernel", "the torch path")
 
 
 def sketch_block_lse(
