@@ -23,10 +23,11 @@ import torch
 
 from . import build
 
-#: The bit-plane term table of :func:`kvtier.quant.pack_bits` codes, shared by the C++ kernels:
+#: C++ shared by the CPU kernels. The bit-plane term table of :func:`kvtier.quant.pack_bits` codes:
 #: a b-bit code is split into widths 4/2/1 (8 whole); a width-w plane packs 8/w channels per byte,
 #: channel ``c = j * per + i`` in byte ``j`` of term ``i``; ``glo/ghi`` are each value group's bytes.
-TERMS_SOURCE = r"""
+#: And the two token-selection cuts of :func:`kvtier.attention.sparse.select_tokens`.
+COMMON_SOURCE = r"""
 struct Term {
   int64_t start, nbytes, shift, mask, per, i;
   float weight;
@@ -68,6 +69,30 @@ std::vector<Term> make_terms(int64_t bits, int64_t dim, int64_t group) {
   }
   return terms;
 }
+
+// Quantile rule: keep the scores >= the one at rank ceil(level * nvalid) (descending) of a row's
+// valid (finite) scores.
+float quantile_threshold(const float* row, int64_t N, int64_t nvalid, double level, std::vector<float>& tmp) {
+  tmp.clear();
+  for (int64_t x = 0; x < N; ++x) if (row[x] != -std::numeric_limits<float>::infinity()) tmp.push_back(row[x]);
+  int64_t rank = std::max<int64_t>(1, (int64_t)std::ceil(level * (double)nvalid)) - 1;
+  rank = std::min<int64_t>(rank, nvalid - 1);
+  std::nth_element(tmp.begin(), tmp.begin() + rank, tmp.end(), std::greater<float>());
+  return tmp[rank];
+}
+
+// Mass rule: the last factor-of-two weight bucket kept, dropping at most (1 - level) of the row's
+// mass (``sum``: this tier's, ``rest``: the other tokens the row attends, both relative to one max).
+int64_t mass_cut(const float* bucket, float sum, float rest, double level) {
+  const float target = sum - (1.f - (float)level) * (sum + rest);
+  float cum = 0.f;
+  int64_t k = 0;
+  for (; k < 63; ++k) {
+    cum += bucket[k];
+    if (cum >= target) break;
+  }
+  return k;
+}
 """
 
 _SOURCE = (
@@ -83,7 +108,7 @@ _SOURCE = (
 namespace {
 
 """
-    + TERMS_SOURCE
+    + COMMON_SOURCE
     + r"""
 // Codes of one token, bit-plane term by term, as floats (channel order of the terms).
 inline void unpack(const uint8_t* code, const std::vector<Term>& terms, float* u) {
@@ -223,25 +248,14 @@ std::vector<torch::Tensor> packed_attention(
         float thr = NEG;     // quantile: keep scores >= thr
         int64_t kstar = 64;  // mass: keep buckets <= kstar
         if (sel_method == 2) {
-          tmp.clear();
-          for (int64_t x = 0; x < N; ++x) if (row[x] != NEG) tmp.push_back(row[x]);
-          int64_t rank = std::max<int64_t>(1, (int64_t)std::ceil(sel_level * (double)nvalid)) - 1;
-          rank = std::min<int64_t>(rank, nvalid - 1);
-          std::nth_element(tmp.begin(), tmp.begin() + rank, tmp.end(), std::greater<float>());
-          thr = tmp[rank];
+          thr = quantile_threshold(row, N, nvalid, sel_level, tmp);
         } else {
           for (int64_t x = 0; x < N; ++x)
             bk[x] = row[x] == NEG ? 63 : (int)std::min(63.f, std::floor((m - row[x]) / LN2));
           float bucket[64] = {0.f};
           for (int64_t x = 0; x < N; ++x) bucket[bk[x]] += e[x];
           // drop at most (1 - level) of the row's mass: this tier's plus the rest it attends
-          const float rest = rl ? std::exp(rl[bh * R + r] - m) : 0.f;
-          const float target = sum - (1.f - (float)sel_level) * (sum + rest);
-          float cum = 0.f;
-          for (kstar = 0; kstar < 63; ++kstar) {
-            cum += bucket[kstar];
-            if (cum >= target) break;
-          }
+          kstar = mass_cut(bucket, sum, rl ? std::exp(rl[bh * R + r] - m) : 0.f, sel_level);
         }
         float kept = 0.f;
         int64_t nkept = 0;

@@ -28,7 +28,7 @@ import functools
 import torch
 
 from . import build
-from .cpu import TERMS_SOURCE
+from .cpu import COMMON_SOURCE
 
 _SOURCE = (
     r"""
@@ -66,7 +66,7 @@ inline float fexp(float x) {
 }
 
 """
-    + TERMS_SOURCE
+    + COMMON_SOURCE
     + r"""
 // --- fixed-shape code paths: (bits, D) known at compile time, so every loop unrolls into SIMD ---
 constexpr int width_at(int bits, int k) {
@@ -598,12 +598,7 @@ std::vector<torch::Tensor> layer_attention(
           float thr = NEG;     // quantile: keep scores >= thr
           int64_t kstar = 64;  // mass: keep buckets <= kstar
           if (sel_method == 2) {
-            tmp.clear();
-            for (int64_t x = 0; x < N; ++x) if (row[x] != NEG) tmp.push_back(row[x]);
-            int64_t rank = std::max<int64_t>(1, (int64_t)std::ceil(sel_level * (double)nvalid)) - 1;
-            rank = std::min<int64_t>(rank, nvalid - 1);
-            std::nth_element(tmp.begin(), tmp.begin() + rank, tmp.end(), std::greater<float>());
-            thr = tmp[rank];
+            thr = quantile_threshold(row, N, nvalid, sel_level, tmp);
           } else {
 #pragma omp simd
             for (int64_t x = 0; x < N; ++x) bk[x] = (int)std::min(63.f, std::floor((m - row[x]) / LN2));  // -inf: 63
@@ -617,12 +612,7 @@ std::vector<torch::Tensor> layer_attention(
             for (int k = 0; k < 64; ++k) bucket[k] = (hist[0][k] + hist[1][k]) + (hist[2][k] + hist[3][k]);
             // drop at most (1 - level) of the row's mass: this tier's plus the exact tokens'
             const float rest = emax[r] == NEG ? 0.f : std::exp(emax[r] + std::log(esum[r]) - m);
-            const float target = sum - (1.f - (float)sel_level) * (sum + rest);
-            float cum = 0.f;
-            for (kstar = 0; kstar < 63; ++kstar) {
-              cum += bucket[kstar];
-              if (cum >= target) break;
-            }
+            kstar = mass_cut(bucket, sum, rest, sel_level);
           }
           const int64_t forced = ff[r] - t.start;  // token slots >= this are in the local window
           float kept = 0.f;
