@@ -9,7 +9,7 @@ from .attention import disable, enable, register
 from .cache import TieredCache, TieredLayer
 from .diagnostics import MemoryReport, memory_report
 from .offload import OffloadError
-from .policy import PRESETS, OffloadPolicy, TierPolicy, get_policy
+from .policy import PRESETS, OffloadPolicy, SparsePolicy, TierPolicy, get_policy
 
 __version__ = "0.1.0"
 
@@ -18,6 +18,7 @@ __all__ = [
     "MemoryReport",
     "OffloadError",
     "OffloadPolicy",
+    "SparsePolicy",
     "TierPolicy",
     "TieredCache",
     "TieredLayer",

@@ -3,6 +3,10 @@
 ``plan`` (bytes before running), ``demo`` (a real model, side by side), ``eval ppl|recall|fidelity``
 and ``bench`` (every cache side by side in one process, results JSON + plots), ``report``
 (results -> markdown).
+
+A command that fails on its inputs (a bad value, a missing file, an unusable config) prints one line,
+``kvtier <command>: <what is wrong>``, on stderr and exits with 2; ``--traceback`` shows the
+traceback instead. Usage errors are argparse's own (also exit 2).
 """
 
 from __future__ import annotations
@@ -27,9 +31,22 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
     return value
 
 
@@ -37,11 +54,7 @@ def _positive(text: str) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from .plan import format_plans, model_shape, plan
 
-    try:
-        shape = model_shape(args.model)
-    except (ValueError, KeyError) as err:
-        print(f"kvtier plan: {err}", file=sys.stderr)
-        return 2
+    shape = model_shape(args.model)
     names = list(PRESETS) if args.policy == "all" else [args.policy]
     plans = [plan(shape, args.seq_len, name, args.batch, args.dtype) for name in names]
     print(format_plans(shape, plans))
@@ -97,10 +110,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .eval.texts import load_texts
     from .models import load_model
 
+    name, text = next(iter(load_texts(args.text, limit=1).items()))  # before the model: fail fast
     torch.set_num_threads(args.threads)
     print(f"loading {args.model} (offline) ...", flush=True)
     model, tok = load_model(args.model)
-    name, text = next(iter(load_texts(args.text, limit=1).items()))
     case = build_case(tok, text, args.tokens, args.depth, seed=args.seed)
     n = case.input_ids.shape[1]
     print(f"recall prompt: {n} tokens from {name!r}, a secret number planted at {case.depth:.0%} depth", flush=True)
@@ -143,7 +156,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _ints(text: str) -> list[int]:
     try:
         vals = [int(float(x.lower().replace("k", "")) * (1024 if "k" in x.lower() else 1)) for x in text.split(",")]
-    except ValueError as err:
+    except (ValueError, OverflowError) as err:
         raise argparse.ArgumentTypeError(f"expected comma-separated lengths like 2k,4k: {text!r}") from err
     if any(v <= 0 for v in vals):
         raise argparse.ArgumentTypeError(f"lengths must be positive: {text!r}")
@@ -151,7 +164,10 @@ def _ints(text: str) -> list[int]:
 
 
 def _floats(text: str) -> list[float]:
-    vals = [float(x) for x in text.split(",")]
+    try:
+        vals = [float(x) for x in text.split(",")]
+    except ValueError:
+        vals = [float("nan")]
     if any(not 0 <= v <= 1 for v in vals):
         raise argparse.ArgumentTypeError(f"depths must be in [0, 1]: {text!r}")
     return vals
@@ -182,12 +198,12 @@ def _setup(args: argparse.Namespace):
     from .eval.texts import load_pg19, load_texts
     from .models import load_model
 
-    torch.set_num_threads(args.threads)
-    model, tok = load_model(args.model)
-    if getattr(args, "pg19", False):
+    if getattr(args, "pg19", False):  # texts before the model: a missing file fails fast
         texts = load_pg19(limit=args.books or 4)
     else:
         texts = load_texts(args.text, limit=args.books)
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model)
     specs = usable_specs(model, args.caches, log=lambda m: print(m, file=sys.stderr))
     return model, tok, texts, specs
 
@@ -297,11 +313,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from .eval.report import build_report
 
-    try:
-        out = build_report(args.results, args.output)
-    except (OSError, ValueError, KeyError) as err:
-        print(f"kvtier report: {err}", file=sys.stderr)
-        return 2
+    out = build_report(args.results, args.output)
     print(f"wrote {out}")
     return 0
 
@@ -310,7 +322,9 @@ def _common(p: argparse.ArgumentParser, contexts: str) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--caches", type=_caches, default=_caches("all"), help="comma-separated names or 'all'")
     p.add_argument("--contexts", type=_ints, default=_ints(contexts), help="e.g. 2k,4k,8k")
-    p.add_argument("--text", nargs="*", help="text files (default: the books in ../shared/data/pg)")
+    p.add_argument(
+        "--text", nargs="*", help="text files (default: the books in ../shared/data/pg, else the shipped one)"
+    )
     p.add_argument("--pg19", action="store_true", help="PG-19 test split via the datasets library (online)")
     p.add_argument("--books", type=_positive, default=None, help="use the first N texts")
     p.add_argument("--threads", type=_positive, default=max(1, min(2, torch.get_num_threads())))
@@ -320,6 +334,7 @@ def _common(p: argparse.ArgumentParser, contexts: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV cache for transformers")
+    parser.add_argument("--traceback", action="store_true", help="show the full traceback when a command fails")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="bytes per tier for a model, sequence length and policy")
@@ -335,10 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default="smollm2-135m")
     d.add_argument("--policy", default="default", choices=list(PRESETS))
     d.add_argument("--tokens", type=_positive, default=3000, help="context length of the prompt")
-    d.add_argument("--depth", type=float, default=0.1, help="where the fact is planted (0..1)")
+    d.add_argument("--depth", type=_fraction, default=0.1, help="where the fact is planted (0..1)")
     d.add_argument("--new-tokens", type=_positive, default=12)
     d.add_argument("--ppl-tokens", type=_positive, default=1024, help="window of the perplexity check")
-    d.add_argument("--text", nargs="*", help="text files (default: ../shared/data/pg books)")
+    d.add_argument("--text", nargs="*", help="text files (default: ../shared/data/pg books, else the shipped one)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--threads", type=_positive, default=max(1, min(2, torch.get_num_threads())))
     d.set_defaults(fn=cmd_demo)
@@ -382,9 +397,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: What a command raises when its inputs are wrong (kvtier's own errors, a missing or unreadable file,
+#: a bad value): reported in one line. Anything else is a bug and keeps its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, RuntimeError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; exit status 0, or 2 with one line on stderr when its inputs are wrong."""
     args = build_parser().parse_args(argv)
-    return int(args.fn(args) or 0)
+    try:
+        return int(args.fn(args) or 0)
+    except USER_ERRORS as err:
+        if args.traceback:
+            raise
+        name = " ".join(filter(None, ["kvtier", args.command, getattr(args, "task", None)]))
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"{name}: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -3,6 +3,9 @@
 The planner replays the cache's placement rules (hot window, block migration, warm capacity,
 sinks) as arithmetic and prices each tier with the same codec byte formulas the cache stores, so
 a plan and ``TieredCache.memory_report()`` after a real run agree (tests check within 2%).
+
+Inputs are bounded (``MAX_SEQ_LEN``, ``MAX_BATCH``, ``MAX_TOTAL_TOKENS``, ``MAX_SHAPE``): the
+offloaded store's slab plan is replayed slab by slab, so its cost grows with ``batch * seq_len``.
 """
 
 from __future__ import annotations
@@ -27,19 +30,47 @@ BUILTIN: dict[str, dict[str, Any]] = {
     "smollm2-135m": {"num_hidden_layers": 30, "num_key_value_heads": 3, "head_dim": 64},
 }
 
+MAX_SEQ_LEN = 1 << 24  # 16,777,216 tokens per row: beyond any model's context
+MAX_BATCH = 1 << 16
+MAX_TOTAL_TOKENS = 1 << 26  # batch * seq_len: the store's slab plan takes ~4 s for llama-2-13b here
+MAX_SHAPE = 1 << 12  # layers, KV heads, head_dim
+
 TIERS = ("sink", "hot", "warm", "cold", "store", "other")  # "store": offloaded blocks (RAM or disk)
 TOKEN_TIERS = ("sink", "hot", "warm", "cold", "evicted")
 
 
-@dataclass
+def _bounded(name: str, value: object, low: int, high: int) -> str | None:
+    """``None`` when ``value`` is an int in ``[low, high]``, else what is wrong with it (one line)."""
+    if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
+        return None
+    return f"{name}={value!r} is not allowed: expected an int in [{low}, {high}]"
+
+
+@dataclass(frozen=True)
 class ModelShape:
-    """What the planner needs of a model."""
+    """What the planner needs of a model: layer kinds (``"full_attention"`` or a sliding kind),
+    KV heads, head_dim, and the sliding window of sliding layers."""
 
     name: str
-    layer_types: list[str]
+    layer_types: tuple[str, ...]
     kv_heads: int
     head_dim: int
     sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        types = self.layer_types
+        if isinstance(types, str) or not all(isinstance(t, str) for t in types):
+            raise ValueError(f"layer_types={types!r} is not allowed: expected a sequence of layer kinds (str)")
+        object.__setattr__(self, "layer_types", tuple(types))
+        problems = [
+            _bounded("layers", len(self.layer_types), 1, MAX_SHAPE),
+            _bounded("kv_heads", self.kv_heads, 1, MAX_SHAPE),
+            _bounded("head_dim", self.head_dim, 1, MAX_SHAPE),
+            None if self.sliding_window is None else _bounded("sliding_window", self.sliding_window, 1, MAX_SEQ_LEN),
+        ]
+        for problem in problems:
+            if problem:
+                raise ValueError(problem)
 
     @property
     def num_layers(self) -> int:
@@ -47,23 +78,52 @@ class ModelShape:
 
 
 def model_shape(model: str) -> ModelShape:
-    """A built-in name, a ``config.json`` path, or a folder holding one."""
+    """A built-in name, a ``config.json`` path, or a folder holding one.
+
+    Raises
+    ------
+    ValueError : unknown name, missing or unreadable file, or a config that lacks a field or has a
+        bad value (the message names the file and the field).
+    """
     if model in BUILTIN:
         c = BUILTIN[model]
-        return ModelShape(model, ["full_attention"] * c["num_hidden_layers"], c["num_key_value_heads"], c["head_dim"])
+        return ModelShape(model, ("full_attention",) * c["num_hidden_layers"], c["num_key_value_heads"], c["head_dim"])
     path = Path(model)
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--model {model!r}: the folder holds no config.json")
         path = path / "config.json"
-    if not path.exists():
+    if not path.is_file():
         raise ValueError(f"--model {model!r}: expected one of {sorted(BUILTIN)} or a path to a config.json")
-    cfg = json.loads(path.read_text())
-    cfg = cfg.get("text_config", cfg)
-    layers = cfg["num_hidden_layers"]
-    heads = cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a readable JSON config ({err})") from None
+    if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"]
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a JSON object (a model config), got {type(cfg).__name__}")
+
+    def need(key: str, high: int = MAX_SHAPE) -> Any:
+        if cfg.get(key) is None:
+            raise ValueError(f"{path} lacks {key!r}")
+        problem = _bounded(key, cfg[key], 1, high)
+        if problem:
+            raise ValueError(f"{path}: {problem}")
+        return cfg[key]
+
+    layers = need("num_hidden_layers")
+    heads = need("num_attention_heads")
+    kv = need("num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads
+    head_dim = need("head_dim") if cfg.get("head_dim") is not None else need("hidden_size", 1 << 20) // heads
     types = cfg.get("layer_types") or ["full_attention"] * layers
-    return ModelShape(path.parent.name or str(path), list(types), kv, head_dim, cfg.get("sliding_window"))
+    if not isinstance(types, list) or len(types) != layers:
+        raise ValueError(f"{path}: layer_types={types!r} is not allowed: expected a list of {layers} layer kinds")
+    window = cfg.get("sliding_window") if any(t != "full_attention" for t in types) else None
+    try:
+        return ModelShape(path.parent.name or str(path), tuple(types), kv, head_dim, window)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
 
 
 @dataclass
@@ -152,7 +212,23 @@ def plan(
     batch: int = 1,
     dtype: torch.dtype = torch.float16,
 ) -> Plan:
-    """Plan the bytes of a :class:`~kvtier.TieredCache` holding ``seq_len`` tokens per row."""
+    """Plan the bytes of a :class:`~kvtier.TieredCache` holding ``seq_len`` tokens per row.
+
+    Raises
+    ------
+    ValueError : ``seq_len`` outside ``[1, MAX_SEQ_LEN]``, ``batch`` outside ``[1, MAX_BATCH]``, their
+        product above ``MAX_TOTAL_TOKENS``, a dtype that is not a floating torch dtype, or a bad
+        model or policy.
+    """
+    for problem in (_bounded("seq_len", seq_len, 1, MAX_SEQ_LEN), _bounded("batch", batch, 1, MAX_BATCH)):
+        if problem:
+            raise ValueError(problem)
+    if seq_len * batch > MAX_TOTAL_TOKENS:
+        raise ValueError(
+            f"batch * seq_len = {batch} * {seq_len} is not allowed: expected at most {MAX_TOTAL_TOKENS} tokens in all"
+        )
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype={dtype!r} is not allowed: expected a floating torch dtype, e.g. torch.float16")
     shape = model if isinstance(model, ModelShape) else model_shape(model)
     pol = get_policy(policy)
     B, H, D, n = batch, shape.kv_heads, shape.head_dim, seq_len

@@ -1,6 +1,7 @@
 """Tier policies: what each layer keeps exact, what it quantizes and how, and named presets.
 
-A :class:`TierPolicy` is a small validated dataclass. Tokens of a sequence live in:
+A :class:`TierPolicy` is a small validated, frozen dataclass (change one with ``replace()``); values
+past generous upper bounds (``MAX_*``) are refused. Tokens of a sequence live in:
 
 * **sinks** - the first ``sink_tokens`` real tokens of each row, exact for good (attention sinks,
   StreamingLLM https://arxiv.org/abs/2309.17453);
@@ -18,7 +19,7 @@ preset name, e.g. ``{0: "exact", -1: "exact"}``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 WARM_BITS = (2, 3, 4, 6, 8)
@@ -30,16 +31,36 @@ SPARSE_METHODS = ("topk", "quantile", "mass", "bound")
 SPARSE_SELECT = ("tokens", "blocks")
 EXACT_DTYPES = ("model", "half", "float16", "bfloat16", "float32")
 
+# Upper bounds: generous, but a value past them is a typo that would allocate absurdly (the hot
+# buffer grows to hot_tokens + block_tokens per row and KV head) or overflow position arithmetic.
+MAX_HOT_TOKENS = 1 << 20  # 1,048,576 exact recent tokens per row
+MAX_WARM_TOKENS = 1 << 24  # None is the way to say "unbounded"
+MAX_SINK_TOKENS = 1 << 16
+MAX_BLOCK_TOKENS = 4096
+MAX_GROUP = 1024  # channels per value group (a head_dim is far smaller)
+MAX_WINDOW = 1 << 24  # local windows and query-chunk limits, in tokens
+MAX_BLOCKS = 1 << 20  # block counts: min/max blocks, prefetch margin
+
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
         raise ValueError(f"{name}={value!r} is not allowed: expected {allowed}")
 
 
-def _check_count(name: str, value: object, *, allow_none: bool, minimum: int = 0) -> None:
-    ok = (value is None and allow_none) or (isinstance(value, int) and not isinstance(value, bool) and value >= minimum)
-    allowed = f"an int >= {minimum}" + (" or None (unbounded)" if allow_none else "")
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_count(name: str, value: object, *, allow_none: bool, maximum: int, minimum: int = 0) -> None:
+    ok = (value is None and allow_none) or (_is_int(value) and minimum <= value <= maximum)
+    allowed = f"an int in [{minimum}, {maximum}]" + (" or None (unbounded)" if allow_none else "")
     _check(ok, name, value, allowed)
+
+
+def _check_choice(name: str, value: object, choices: tuple) -> None:
+    """``value`` one of ``choices``, of the same type (``4.0`` or ``True`` is not the bit width 4)."""
+    ok = any(value is c or (type(value) is type(c) and value == c) for c in choices)
+    _check(ok, name, value, f"one of {choices}")
 
 
 @dataclass(frozen=True)
@@ -88,10 +109,10 @@ class SparsePolicy:
     max_query_tokens: int | None = 4
 
     def __post_init__(self) -> None:
-        _check_count("local_window", self.local_window, allow_none=False)
-        _check_count("min_blocks", self.min_blocks, allow_none=False)
-        _check_count("max_query_tokens", self.max_query_tokens, allow_none=True, minimum=1)
-        _check(self.select in SPARSE_SELECT, "select", self.select, f"one of {SPARSE_SELECT}")
+        _check_count("local_window", self.local_window, allow_none=False, maximum=MAX_WINDOW)
+        _check_count("min_blocks", self.min_blocks, allow_none=False, maximum=MAX_BLOCKS)
+        _check_count("max_query_tokens", self.max_query_tokens, allow_none=True, minimum=1, maximum=MAX_WINDOW)
+        _check_choice("select", self.select, SPARSE_SELECT)
         allowed = SPARSE_METHODS if self.select == "blocks" else ("mass", "quantile")
         _check(self.method in allowed, "method", self.method, f"one of {allowed} for select={self.select!r}")
         _check(
@@ -149,10 +170,10 @@ class OffloadPolicy:
     margin: int = 4
 
     def __post_init__(self) -> None:
-        _check(self.backend in OFFLOAD_BACKENDS, "backend", self.backend, f"one of {OFFLOAD_BACKENDS}")
+        _check_choice("backend", self.backend, OFFLOAD_BACKENDS)
         _check(self.path is None or isinstance(self.path, str), "path", self.path, "a directory path (str) or None")
         _check(self.path is None or self.backend == "disk", "path", self.path, "None unless backend='disk'")
-        _check(self.store_bits in STORE_BITS, "store_bits", self.store_bits, f"one of {STORE_BITS}")
+        _check_choice("store_bits", self.store_bits, STORE_BITS)
         _check(
             self.mass is None
             or (isinstance(self.mass, (int, float)) and not isinstance(self.mass, bool) and 0 < self.mass <= 1),
@@ -160,10 +181,10 @@ class OffloadPolicy:
             self.mass,
             "a number in (0, 1] or None",
         )
-        _check_count("max_blocks", self.max_blocks, allow_none=True, minimum=1)
-        _check_count("min_blocks", self.min_blocks, allow_none=False)
-        _check_count("local_window", self.local_window, allow_none=False)
-        _check_count("margin", self.margin, allow_none=False)
+        _check_count("max_blocks", self.max_blocks, allow_none=True, minimum=1, maximum=MAX_BLOCKS)
+        _check_count("min_blocks", self.min_blocks, allow_none=False, maximum=MAX_BLOCKS)
+        _check_count("local_window", self.local_window, allow_none=False, maximum=MAX_WINDOW)
+        _check_count("margin", self.margin, allow_none=False, maximum=MAX_BLOCKS)
         _check(
             self.prefetch is None or isinstance(self.prefetch, bool), "prefetch", self.prefetch, "a bool or None (auto)"
         )
@@ -174,29 +195,58 @@ class OffloadPolicy:
         return self.mass is None and self.max_blocks is None
 
 
-@dataclass
+class LayerOverrides(Mapping):
+    """An immutable ``{layer index: TierPolicy or preset name}``: what ``TierPolicy.layer_overrides``
+    holds once validated (hashable, picklable, equal to the dict with the same items)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping | None = None) -> None:
+        self._items: dict[int, TierPolicy | str] = dict(items or {})
+
+    def __getitem__(self, key: int) -> TierPolicy | str:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._items.items()))
+
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+    def __reduce__(self) -> tuple:
+        return (LayerOverrides, (self._items,))
+
+
+@dataclass(frozen=True)
 class TierPolicy:
-    """How one layer stores its keys and values.
+    """How one layer stores its keys and values (frozen: ``replace()`` makes a changed copy).
 
     Attributes
     ----------
-    hot_tokens : exact recent tokens; ``None`` keeps every token exact (no compression).
-    warm_tokens : tokens in the warm tier after hot; ``None`` = unbounded (no cold tier).
-        A multiple of ``block_tokens``.
+    hot_tokens : exact recent tokens (at most 2**20); ``None`` keeps every token exact (no compression).
+    warm_tokens : tokens in the warm tier after hot (at most 2**24); ``None`` = unbounded (no cold
+        tier). A multiple of ``block_tokens``.
     warm_bits : bit width of the warm tier, one of 2, 3, 4, 6, 8.
-    sink_tokens : first real tokens of each row kept exact for good.
+    sink_tokens : first real tokens of each row kept exact for good (at most 2**16).
     cold : ``"sign"`` (1-bit), ``"quant"`` (``cold_bits``-bit), ``"evict"``, or ``"offload"``
         (exact blocks in a block store, a 1-bit key sketch resident: see ``offload``).
     cold_bits : bit width when ``cold == "quant"``.
     cold_rotation : randomized Hadamard rotation of K and V before the cold code, the 1-bit sign
         or the ``cold_bits`` k-bit one (default: on; on SmolLM2 it cuts the perplexity cost of the
         seed's 1-bit cold tier from +8.5% to +3.9%).
-    block_tokens : migration block; also the token group of per-channel key statistics.
-    value_group_size : channels per group of per-token value statistics (divides head_dim).
+    block_tokens : migration block; also the token group of per-channel key statistics (1 to 4096).
+    value_group_size : channels per group of per-token value statistics (divides head_dim; 1 to 1024).
     exact_dtype : storage of sinks and hot tokens: ``"model"`` (the model's dtype),
         ``"half"`` (fp16 when the model runs in fp32, else the model's dtype) or a dtype name.
     sparse : a :class:`SparsePolicy` for dynamic sparse attention over warm and cold, or None.
     layer_overrides : layer index -> policy or preset name; negative indices count from the end.
+        Any mapping; held as an immutable :class:`LayerOverrides`.
     name : label used in reports.
     offload : an :class:`OffloadPolicy` when ``cold == "offload"`` (``None`` there means the
         defaults); must be ``None`` otherwise.
@@ -213,21 +263,22 @@ class TierPolicy:
     value_group_size: int = 64
     exact_dtype: str = "model"
     sparse: SparsePolicy | None = None
-    layer_overrides: dict[int, TierPolicy | str] = field(default_factory=lambda: {0: "exact", -1: "exact"})
+    layer_overrides: Mapping[int, TierPolicy | str] = field(default_factory=lambda: {0: "exact", -1: "exact"})
     name: str = "custom"
     offload: OffloadPolicy | None = None
 
     def __post_init__(self) -> None:
-        _check_count("hot_tokens", self.hot_tokens, allow_none=True)
-        _check_count("warm_tokens", self.warm_tokens, allow_none=True)
-        _check_count("sink_tokens", self.sink_tokens, allow_none=False)
-        _check_count("block_tokens", self.block_tokens, allow_none=False, minimum=1)
-        _check_count("value_group_size", self.value_group_size, allow_none=False, minimum=1)
-        _check(self.warm_bits in WARM_BITS, "warm_bits", self.warm_bits, f"one of {WARM_BITS}")
-        _check(self.cold in COLD_MODES, "cold", self.cold, f"one of {COLD_MODES}")
-        _check(self.cold_bits in COLD_BITS, "cold_bits", self.cold_bits, f"one of {COLD_BITS}")
+        _check_count("hot_tokens", self.hot_tokens, allow_none=True, maximum=MAX_HOT_TOKENS)
+        _check_count("warm_tokens", self.warm_tokens, allow_none=True, maximum=MAX_WARM_TOKENS)
+        _check_count("sink_tokens", self.sink_tokens, allow_none=False, maximum=MAX_SINK_TOKENS)
+        _check_count("block_tokens", self.block_tokens, allow_none=False, minimum=1, maximum=MAX_BLOCK_TOKENS)
+        _check_count("value_group_size", self.value_group_size, allow_none=False, minimum=1, maximum=MAX_GROUP)
+        _check_choice("warm_bits", self.warm_bits, WARM_BITS)
+        _check_choice("cold", self.cold, COLD_MODES)
+        _check_choice("cold_bits", self.cold_bits, COLD_BITS)
         _check(isinstance(self.cold_rotation, bool), "cold_rotation", self.cold_rotation, "a bool")
-        _check(self.exact_dtype in EXACT_DTYPES, "exact_dtype", self.exact_dtype, f"one of {EXACT_DTYPES}")
+        _check_choice("exact_dtype", self.exact_dtype, EXACT_DTYPES)
+        _check(isinstance(self.name, str) and self.name != "", "name", self.name, "a non-empty str")
         if self.warm_tokens is not None:
             _check(
                 self.warm_tokens % self.block_tokens == 0,
@@ -242,20 +293,22 @@ class TierPolicy:
             "a SparsePolicy or None",
         )
         self._check_offload()
-        _check(isinstance(self.layer_overrides, dict), "layer_overrides", self.layer_overrides, "a dict")
-        for idx, sub in self.layer_overrides.items():
+        _check(isinstance(self.layer_overrides, Mapping), "layer_overrides", self.layer_overrides, "a dict")
+        overrides = LayerOverrides(self.layer_overrides)  # a snapshot: later edits of the caller's dict do nothing
+        for idx, sub in overrides.items():
             _check(isinstance(idx, int) and not isinstance(idx, bool), "layer_overrides key", idx, "an int")
             if isinstance(sub, str):
                 _check(sub in PRESETS, f"layer_overrides[{idx}]", sub, f"a preset name in {sorted(PRESETS)}")
             else:
                 _check(isinstance(sub, TierPolicy), f"layer_overrides[{idx}]", sub, "a TierPolicy or preset name")
+        object.__setattr__(self, "layer_overrides", overrides)  # frozen dataclass: set once, here
 
     def _check_offload(self) -> None:
         if self.cold != "offload":
             _check(self.offload is None, "offload", self.offload, "None unless cold='offload'")
             return
         if self.offload is None:
-            self.offload = OffloadPolicy()
+            object.__setattr__(self, "offload", OffloadPolicy())  # frozen dataclass: the default, set once
         _check(isinstance(self.offload, OffloadPolicy), "offload", self.offload, "an OffloadPolicy or None")
         _check(self.sparse is None, "sparse", self.sparse, "None with cold='offload' (offload selects blocks itself)")
 
@@ -427,6 +480,6 @@ def get_policy(policy: str | TierPolicy) -> TierPolicy:
     """A preset by name, or the policy itself."""
     if isinstance(policy, TierPolicy):
         return policy
-    if policy not in PRESETS:
+    if not isinstance(policy, str) or policy not in PRESETS:
         raise ValueError(f"policy={policy!r} is not allowed: expected one of {sorted(PRESETS)} or a TierPolicy")
     return PRESETS[policy][1]()

@@ -1,7 +1,12 @@
-"""``kvtier report``: results files -> one markdown report with tables and plots."""
+"""``kvtier report``: results files -> one markdown report with tables and plots.
+
+Every results file is read and checked before anything is written, and a report that fails while
+being written leaves nothing behind (no half-filled ``<out>_assets/`` folder, no folder created for it).
+"""
 
 from __future__ import annotations
 
+import shutil
 from collections import defaultdict
 from pathlib import Path
 
@@ -135,26 +140,68 @@ def _row_key(row: dict) -> tuple:
     return tuple(row.get(k) for k in ("cache", "text", "context", "depth"))
 
 
-def build_report(paths: list[str | Path], out: str | Path) -> Path:
-    """Write ``out`` (markdown): one section per kind of result (runs of a kind merged into one
-    table), with plots beside it."""
-    out = Path(out)
-    assets = out.parent / (out.stem + "_assets")
-    assets.mkdir(parents=True, exist_ok=True)
+def _load_all(paths: list[str | Path]) -> list[dict]:
+    """Every results file, checked; a ValueError naming the file otherwise."""
+    docs = []
+    for p in paths:
+        try:
+            docs.append(load(p))
+        except ValueError as err:  # not JSON (json.JSONDecodeError), or not the schema
+            raise ValueError(f"{p}: {err}") from None
+        except (TypeError, KeyError, AttributeError) as err:  # JSON, but not an object of the schema's shape
+            raise ValueError(f"{p}: not a results document ({type(err).__name__}: {err})") from None
+        except OSError as err:  # missing, a folder, unreadable
+            raise type(err)(f"results file {p}: {err.strerror or err}") from None
+    return docs
+
+
+def _render(docs: list[dict], out: Path, assets: Path) -> list[str]:
     lines = ["# kvtier report", ""]
-    for i, doc in enumerate(merge_docs([load(p) for p in paths])):
+    for i, doc in enumerate(merge_docs(docs)):
         title, fn = SECTIONS[doc["kind"]]
-        env = doc["env"]
-        lines += [
-            f"## {title}",
-            "",
-            f"`{doc['command']}` — {doc['created']}, torch {env['torch']}, transformers "
-            f"{env['transformers']}, {env['threads']} threads, {env['device']}",
-            "",
-            fn(doc),
-            "",
-        ]
+        try:
+            env = doc["env"]
+            lines += [
+                f"## {title}",
+                "",
+                f"`{doc['command']}` — {doc['created']}, torch {env['torch']}, transformers "
+                f"{env['transformers']}, {env['threads']} threads, {env['device']}",
+                "",
+                fn(doc),
+                "",
+            ]
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"{doc['kind']} results lack a field the report needs: {err}") from None
         for png in plots_for(doc, assets / f"{i}-{doc['kind']}"):
             lines += [f"![{png.stem}]({png.relative_to(out.parent)})", ""]
-    out.write_text("\n".join(lines))
+    return lines
+
+
+def build_report(paths: list[str | Path], out: str | Path) -> Path:
+    """Write ``out`` (markdown): one section per kind of result (runs of a kind merged into one
+    table), with plots beside it in ``<out stem>_assets/``.
+
+    Raises
+    ------
+    FileNotFoundError : a results file is missing. ValueError : one is not valid results.
+    OSError : ``out`` cannot be written. Nothing is left behind in either case.
+    """
+    out = Path(out)
+    assets = out.parent / (out.stem + "_assets")
+    docs = _load_all(paths)
+    created = next((d for d in reversed([assets, *assets.parents]) if not d.exists()), None)
+    before = set(assets.iterdir()) if assets.is_dir() else set()
+    try:
+        assets.mkdir(parents=True, exist_ok=True)
+        text = "\n".join(_render(docs, out, assets))
+        out.write_text(text)
+    except BaseException:
+        if created is not None:  # the first folder this call made, with everything in it
+            shutil.rmtree(created, ignore_errors=True)
+        elif assets.is_dir():
+            for path in set(assets.iterdir()) - before:
+                path.unlink(missing_ok=True)
+        raise
+    if created is not None and assets.is_dir() and not any(assets.iterdir()):
+        assets.rmdir()  # no plots: no empty folder
     return out

@@ -1,5 +1,9 @@
 """Evaluation texts: the public-domain books in ``../shared/data/pg``, files, or PG-19 online.
 
+Without a ``../shared/data/pg`` folder, the book shipped with the package (``kvtier/data/``: the
+first twelve chapters of Bram Stoker's *Dracula*, ~95k tokens, from Project Gutenberg) stands in,
+so ``kvtier demo`` and short evaluations run on a fresh clone.
+
 Project Gutenberg files carry a licence header and footer; :func:`strip_gutenberg` keeps the
 body between the ``*** START OF`` and ``*** END OF`` markers when they are present.
 """
@@ -7,7 +11,11 @@ body between the ``*** START OF`` and ``*** END OF`` markers when they are prese
 from __future__ import annotations
 
 import re
+from importlib import resources
 from pathlib import Path
+
+#: The book shipped as package data (``kvtier/data/<name>.txt``).
+SHIPPED_BOOK = "dracula"
 
 _START = re.compile(r"\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG[^\n]*\n", re.I)
 _END = re.compile(r"\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG", re.I)
@@ -36,23 +44,30 @@ def default_book_dir() -> Path | None:
     return None
 
 
+def shipped_book() -> dict[str, str]:
+    """``{SHIPPED_BOOK: body}``: the excerpt shipped with the package, header and footer removed."""
+    text = resources.files("kvtier").joinpath("data", f"{SHIPPED_BOOK}.txt").read_text(encoding="utf-8")
+    return {SHIPPED_BOOK: strip_gutenberg(text)}
+
+
 def load_texts(paths: list[str | Path] | None = None, limit: int | None = None) -> dict[str, str]:
-    """``{name: body}`` for the given files, else the books of :func:`default_book_dir`.
+    """``{name: body}`` for the given files, else the books of :func:`default_book_dir`, else the
+    package's own book (:func:`shipped_book`).
 
     Raises
     ------
-    FileNotFoundError : when no text is given and no book folder is found, or a file is missing.
+    FileNotFoundError : a given file is missing.
     """
     if not paths:
         folder = default_book_dir()
         if folder is None:
-            raise FileNotFoundError("no texts: pass --text FILE... (no ../shared/data/pg folder found)")
+            return shipped_book()
         paths = sorted(folder.glob("*.txt"))
     out = {}
     for p in paths[: limit or None]:
         p = Path(p)
-        if not p.exists():
-            raise FileNotFoundError(f"text file {p} does not exist")
+        if not p.is_file():
+            raise FileNotFoundError(f"text file {p} is a folder" if p.is_dir() else f"text file {p} does not exist")
         out[p.stem] = strip_gutenberg(p.read_text(encoding="utf-8", errors="replace"))
     return out
 

@@ -1,0 +1,207 @@
+"""Invalid inputs, one table: every case names the error it must raise and what its one-line message
+must show (the field and the bad value).
+
+Three kinds of case: ``raises`` (a library call), ``cli`` (a ``kvtier`` command that must exit 2
+with one line on stderr, no traceback) and ``usage`` (an argument argparse itself refuses: exit 2,
+its usage text, then one error line). To add a case, append a row to ``CASES``; a callable gets the
+test's ``tmp_path`` (for files it needs).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier import OffloadPolicy, SparsePolicy, TierPolicy, get_policy
+from kvtier.cli import main
+from kvtier.plan import ModelShape, model_shape, plan
+
+
+@dataclass(frozen=True)
+class Case:
+    """``run(tmp_path)`` raises ``error`` (kind ``"raises"``) or returns the argv of a command that
+    must fail (kinds ``"cli"``, ``"usage"``); the message contains every string of ``shown``."""
+
+    id: str
+    kind: str
+    run: Callable[[Path], object]
+    error: type[BaseException] | None
+    shown: tuple[str, ...]
+
+
+def raises(id: str, fn: Callable[[Path], object], error: type[BaseException], *shown: str) -> Case:
+    return Case(id, "raises", fn, error, shown)
+
+
+def cli(id: str, argv: list[str] | Callable[[Path], list[str]], *shown: str) -> Case:
+    return Case(id, "cli", argv if callable(argv) else (lambda _: argv), None, shown)
+
+
+def usage(id: str, argv: list[str], *shown: str) -> Case:
+    return Case(id, "usage", lambda _: argv, None, shown)
+
+
+def policy(cls: type, **kwargs: object) -> Callable[[Path], object]:
+    return lambda _: cls(**kwargs)
+
+
+def config(**fields: object) -> Callable[[Path], str]:
+    """Writes ``fields`` as ``config.json`` under the test's folder; returns its path."""
+
+    def write(tmp: Path) -> str:
+        path = tmp / "config.json"
+        path.write_text(fields.pop("_raw") if "_raw" in fields else json.dumps(fields))
+        return str(path)
+
+    return write
+
+
+GOOD_CONFIG = {"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 256}
+NO_LAYERS = {k: v for k, v in GOOD_CONFIG.items() if k != "num_hidden_layers"}
+
+
+def bad_results(tmp: Path) -> str:
+    path = tmp / "bad.json"
+    path.write_text(json.dumps({"schema": "other"}))
+    return str(path)
+
+
+CASES = [
+    # --- TierPolicy -------------------------------------------------------------------------
+    raises("hot 4M", policy(TierPolicy, hot_tokens=4_000_000), ValueError, "hot_tokens=4000000", "1048576"),
+    raises("hot 1e12", policy(TierPolicy, hot_tokens=10**12), ValueError, "hot_tokens=1000000000000", "1048576"),
+    raises("hot negative", policy(TierPolicy, hot_tokens=-1), ValueError, "hot_tokens=-1"),
+    raises("hot str", policy(TierPolicy, hot_tokens="128"), ValueError, "hot_tokens='128'"),
+    raises("warm huge", policy(TierPolicy, warm_tokens=1 << 25), ValueError, "warm_tokens=33554432", "None"),
+    raises("warm not multiple", policy(TierPolicy, warm_tokens=100), ValueError, "warm_tokens=100", "block_tokens"),
+    raises("warm_bits 5", policy(TierPolicy, warm_bits=5), ValueError, "warm_bits=5", "(2, 3, 4, 6, 8)"),
+    raises("warm_bits float", policy(TierPolicy, warm_bits=4.0), ValueError, "warm_bits=4.0"),
+    raises("warm_bits bool", policy(TierPolicy, warm_bits=True), ValueError, "warm_bits=True"),
+    raises("sink huge", policy(TierPolicy, sink_tokens=1 << 17), ValueError, "sink_tokens=131072", "65536"),
+    raises("sink float", policy(TierPolicy, sink_tokens=1.5), ValueError, "sink_tokens=1.5"),
+    raises("block 0", policy(TierPolicy, block_tokens=0), ValueError, "block_tokens=0"),
+    raises("block huge", policy(TierPolicy, block_tokens=8192, warm_tokens=0), ValueError, "block_tokens=8192", "4096"),
+    raises("group huge", policy(TierPolicy, value_group_size=2048), ValueError, "value_group_size=2048", "1024"),
+    raises("group 0", policy(TierPolicy, value_group_size=0), ValueError, "value_group_size=0"),
+    raises("cold mode", policy(TierPolicy, cold="zip"), ValueError, "cold='zip'", "'offload'"),
+    raises("cold_bits", policy(TierPolicy, cold_bits=1), ValueError, "cold_bits=1"),
+    raises("rotation int", policy(TierPolicy, cold_rotation=1), ValueError, "cold_rotation=1", "bool"),
+    raises("exact dtype", policy(TierPolicy, exact_dtype="int8"), ValueError, "exact_dtype='int8'"),
+    raises("sparse str", policy(TierPolicy, sparse="yes"), ValueError, "sparse='yes'", "SparsePolicy"),
+    raises("override name", policy(TierPolicy, layer_overrides={0: "nope"}), ValueError, "layer_overrides[0]='nope'"),
+    raises("override key", policy(TierPolicy, layer_overrides={"0": "exact"}), ValueError, "layer_overrides key='0'"),
+    raises("overrides list", policy(TierPolicy, layer_overrides=[0]), ValueError, "layer_overrides=[0]"),
+    raises("offload not cold", policy(TierPolicy, offload=OffloadPolicy()), ValueError, "offload=", "cold='offload'"),
+    raises("offload+sparse", policy(TierPolicy, cold="offload", sparse=SparsePolicy()), ValueError, "sparse="),
+    raises("empty name", policy(TierPolicy, name=""), ValueError, "name=''"),
+    # --- SparsePolicy -----------------------------------------------------------------------
+    raises("level 0", policy(SparsePolicy, level=0.0), ValueError, "level=0.0", "(0, 1]"),
+    raises("level nan", policy(SparsePolicy, level=float("nan")), ValueError, "level=nan"),
+    raises("level 1.5", policy(SparsePolicy, level=1.5), ValueError, "level=1.5"),
+    raises("topk tokens", policy(SparsePolicy, method="topk"), ValueError, "method='topk'", "select='tokens'"),
+    raises("select", policy(SparsePolicy, select="rows"), ValueError, "select='rows'"),
+    raises("query 0", policy(SparsePolicy, max_query_tokens=0), ValueError, "max_query_tokens=0"),
+    raises("window huge", policy(SparsePolicy, local_window=1 << 25), ValueError, "local_window=33554432"),
+    raises("min_blocks -1", policy(SparsePolicy, min_blocks=-1), ValueError, "min_blocks=-1"),
+    # --- OffloadPolicy ----------------------------------------------------------------------
+    raises("backend", policy(OffloadPolicy, backend="gpu"), ValueError, "backend='gpu'", "'disk'"),
+    raises("path on cpu", policy(OffloadPolicy, path="/tmp"), ValueError, "path='/tmp'", "backend='disk'"),
+    raises("store_bits", policy(OffloadPolicy, store_bits=2), ValueError, "store_bits=2"),
+    raises("mass 0", policy(OffloadPolicy, mass=0), ValueError, "mass=0"),
+    raises("max_blocks 0", policy(OffloadPolicy, max_blocks=0), ValueError, "max_blocks=0"),
+    raises("margin huge", policy(OffloadPolicy, margin=1 << 21), ValueError, "margin=2097152"),
+    raises("prefetch str", policy(OffloadPolicy, prefetch="yes"), ValueError, "prefetch='yes'"),
+    # --- preset names -----------------------------------------------------------------------
+    raises("preset", lambda _: get_policy("fast"), ValueError, "policy='fast'", "'default'"),
+    raises("preset list", lambda _: get_policy(["x"]), ValueError, "policy=['x']"),
+    raises("preset None", lambda _: get_policy(None), ValueError, "policy=None"),
+    # --- planner ----------------------------------------------------------------------------
+    raises("model name", lambda _: model_shape("gpt-9"), ValueError, "'gpt-9'", "llama-2-13b"),
+    raises("config lacks", lambda t: model_shape(config(**NO_LAYERS)(t)), ValueError, "lacks 'num_hidden_layers'"),
+    raises("config no head", lambda t: model_shape(config(num_hidden_layers=2)(t)), ValueError, "config.json lacks"),
+    raises("config not json", lambda t: model_shape(config(_raw="{nope")(t)), ValueError, "config.json", "JSON"),
+    raises("config list", lambda t: model_shape(config(_raw="[1, 2]")(t)), ValueError, "config.json", "object"),
+    raises(
+        "config kv 0",
+        lambda t: model_shape(config(**{**GOOD_CONFIG, "num_key_value_heads": 0})(t)),
+        ValueError,
+        "config.json",
+        "num_key_value_heads=0",
+    ),
+    raises(
+        "config layer_types",
+        lambda t: model_shape(config(**{**GOOD_CONFIG, "layer_types": ["full_attention"]})(t)),
+        ValueError,
+        "layer_types=['full_attention']",
+        "2 layer kinds",
+    ),
+    raises("shape kv 0", lambda _: ModelShape("m", ["full_attention"], 0, 64), ValueError, "kv_heads=0"),
+    raises("shape no layers", lambda _: ModelShape("m", [], 2, 64), ValueError, "layers=0"),
+    raises("seq 0", lambda _: plan("llama-2-7b", 0), ValueError, "seq_len=0"),
+    raises("seq 1e13", lambda _: plan("llama-2-7b", 10**13), ValueError, "seq_len=10000000000000", "16777216"),
+    raises("batch 0", lambda _: plan("llama-2-7b", 10, batch=0), ValueError, "batch=0"),
+    raises("batch huge", lambda _: plan("llama-2-7b", 10, batch=1 << 17), ValueError, "batch=131072"),
+    raises("tokens in all", lambda _: plan("llama-2-7b", 1 << 24, batch=8), ValueError, "batch * seq_len", "67108864"),
+    raises("plan dtype", lambda _: plan("llama-2-7b", 10, dtype=torch.int8), ValueError, "dtype=torch.int8"),
+    raises("plan policy", lambda _: plan("llama-2-7b", 10, "fast"), ValueError, "policy='fast'"),
+    # --- CLI: one line on stderr, exit 2 ------------------------------------------------------
+    cli("plan seq 1e13", ["plan", "--model", "llama-2-13b", "--seq-len", "10000000000000"], "seq_len=10000000000000"),
+    cli("plan batch", ["plan", "--model", "llama-2-13b", "--seq-len", "8", "--batch", "100000"], "batch=100000"),
+    cli("plan model", ["plan", "--model", "gpt-9", "--seq-len", "10"], "kvtier plan:", "'gpt-9'"),
+    cli(
+        "plan config lacks",
+        lambda t: ["plan", "--model", config(**NO_LAYERS)(t), "--seq-len", "10"],
+        "config.json lacks 'num_hidden_layers'",
+    ),
+    cli("eval missing text", ["eval", "ppl", "--text", "missing.txt"], "kvtier eval ppl:", "missing.txt"),
+    cli("recall missing text", ["eval", "recall", "--text", "missing.txt"], "kvtier eval recall:", "missing.txt"),
+    cli("bench missing text", ["bench", "--text", "missing.txt"], "kvtier bench:", "missing.txt"),
+    cli("demo missing text", ["demo", "--text", "missing.txt"], "kvtier demo:", "missing.txt"),
+    cli("report missing", ["report", "missing.json"], "kvtier report:", "missing.json"),
+    cli("report invalid", lambda t: ["report", bad_results(t), "-o", str(t / "r.md")], "bad.json", "results lack"),
+    # --- CLI: argparse's own usage errors (exit 2) ---------------------------------------------
+    usage("seq negative", ["plan", "--model", "llama-2-13b", "--seq-len", "-5"], "--seq-len", "'-5'"),
+    usage("seq text", ["plan", "--model", "llama-2-13b", "--seq-len", "abc"], "--seq-len", "'abc'"),
+    usage("dtype", ["plan", "--model", "llama-2-13b", "--seq-len", "8", "--dtype", "int8"], "--dtype", "int8"),
+    usage("depth", ["demo", "--depth", "2"], "--depth", "'2'"),
+    usage("contexts overflow", ["eval", "ppl", "--contexts", "1e400k"], "--contexts", "1e400k"),
+    usage("depths", ["eval", "recall", "--depths", "0,1.5"], "--depths", "0,1.5"),
+    usage("caches", ["eval", "ppl", "--caches", "fast"], "--caches", "fast"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_invalid_input(case: Case, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative paths ("missing.txt") resolve in an empty folder
+    if case.kind == "raises":
+        with pytest.raises(case.error) as err:
+            case.run(tmp_path)
+        message = str(err.value)
+        assert "\n" not in message
+    elif case.kind == "cli":
+        assert main(case.run(tmp_path)) == 2
+        out = capsys.readouterr()
+        assert "Traceback" not in out.err and out.out == ""
+        lines = out.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kvtier ")
+        message = lines[0]
+    else:
+        with pytest.raises(SystemExit) as exit_:
+            main(case.run(tmp_path))
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.startswith("usage: kvtier")
+        message = err.strip().splitlines()[-1]
+        assert ": error: argument " in message
+    for text in case.shown:
+        assert text in message, (text, message)
+
+
+def test_table_is_large_and_ids_unique():
+    assert len(CASES) >= 40
+    assert len({c.id for c in CASES}) == len(CASES)
