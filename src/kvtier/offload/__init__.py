@@ -7,6 +7,6 @@ sketches + block table over a store), ``prefetch`` (the per-cache worker and lay
 ``cold="offload"`` (presets ``offload-cpu`` and ``offload-disk``).
 """
 
-from .store import BlockStore, OffloadError
+from .store import BlockStore, OffloadError, RecordError
 
-__all__ = ["BlockStore", "OffloadError"]
+__all__ = ["BlockStore", "OffloadError", "RecordError"]

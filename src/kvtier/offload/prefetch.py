@@ -15,7 +15,9 @@ so staging never holds more than two layers and nothing is staged between steps.
 Disk directories: for each directory named by a disk policy, the offloader creates a private
 subdirectory (``kvtier-*``) at construction; missing or read-only directories fail here, naming
 the path. The subdirectories are removed by :meth:`Offloader.close` or when the offloader is
-garbage-collected (``weakref.finalize``), whichever comes first.
+garbage-collected (``weakref.finalize``), whichever comes first. :meth:`Offloader.close` waits
+for the worker thread to finish, so none is left running after it. An offloader (like its tiers
+and stores) refuses ``copy`` and ``pickle`` with an :class:`~kvtier.offload.store.OffloadError`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ..policy import OffloadPolicy
-from .store import OffloadError, check_directory
+from .store import NotCopyable, OffloadError, check_directory
 
 if TYPE_CHECKING:
     from .tier import OffloadTier
@@ -44,7 +46,7 @@ def _shutdown(executors: list[ThreadPoolExecutor], dirs: list[str]) -> None:
     dirs.clear()
 
 
-class Offloader:
+class Offloader(NotCopyable):
     """Shared state of the offloading layers of one cache.
 
     Parameters
@@ -119,12 +121,15 @@ class Offloader:
             order[i + 1].submit_prefetch()
 
     def close(self) -> None:
-        """Stop the worker and remove this cache's files and directories (idempotent)."""
-        for ex in self._executors:
-            ex.shutdown(wait=True, cancel_futures=True)
-        for t in list(self.tiers):
-            t.close()
-        self._finalizer()
+        """Stop the worker (waiting for it to exit) and remove this cache's files and directories
+        (idempotent; the directories go even if closing a tier fails)."""
+        try:
+            for ex in self._executors:
+                ex.shutdown(wait=True, cancel_futures=True)
+            for t in list(self.tiers):
+                t.close()
+        finally:
+            self._finalizer()
 
     @property
     def closed(self) -> bool:

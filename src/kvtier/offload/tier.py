@@ -28,10 +28,10 @@ from ..policy import TierPolicy
 from .prefetch import Offloader
 from .records import RecordLayout
 from .sketch import KeySketch
-from .store import BlockStore, OffloadError, RecordError, store_capacity
+from .store import BlockStore, NotCopyable, OffloadError, RecordError, store_capacity
 
 
-class OffloadTier:
+class OffloadTier(NotCopyable):
     """Cold blocks of one layer: sketches and block table resident, exact K/V in a store.
 
     Parameters
@@ -94,7 +94,12 @@ class OffloadTier:
         return self.nblocks * self.block_tokens
 
     def push(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
-        """Offload tokens ``k, v: [B, H, N, D]`` (``N`` a multiple of the block), ``valid: bool [B, N]``."""
+        """Offload tokens ``k, v: [B, H, N, D]`` (``N`` a multiple of the block), ``valid: bool [B, N]``.
+
+        All or nothing: everything is computed first and the store written last
+        (:meth:`BlockStore.put`), so on failure (a full disk, a truncated file) no record stays
+        allocated, no slab grown for it stays, and ``fields`` / ``table`` are unchanged.
+        """
         self.drop_staging()
         B, H, N, D = k.shape
         T = self.block_tokens
@@ -103,14 +108,14 @@ class OffloadTier:
         bvalid = valid.reshape(B, 1, n, T).to(self.device)
         new = self.sketch.encode(kb, bvalid)
         new["valid"] = bvalid.clone()
-        ids = self.store.allocate(B * H * n)
-        self.store.write(ids, self.layout.encode(kb, vb, bvalid))
-        table = ids.view(B, H, n)
-        if not self.fields:
-            self.fields, self.table = new, table
-        else:
-            self.fields = {name: torch.cat([self.fields[name], t], dim=2) for name, t in new.items()}
-            self.table = torch.cat([self.table, table], dim=2)
+        if self.fields:
+            new = {name: torch.cat([self.fields[name], t], dim=2) for name, t in new.items()}
+        old = self.nblocks
+        table = torch.empty(B, H, old + n, dtype=torch.long)
+        if self.table is not None:
+            table[:, :, :old] = self.table
+        table[:, :, old:] = self.store.put(self.layout.encode(kb, vb, bvalid)).view(B, H, n)
+        self.fields, self.table = new, table
 
     def index_select(self, index: torch.Tensor) -> None:
         """Select / reorder batch rows (beam search): permute the table, free unreferenced records."""
