@@ -680,7 +680,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def cmd_doctor(args: argparse.Namespace) -> int:
     """``kvtier doctor``: 0 when clean, 1 on a leak or leftovers, 2 on an error (one line on stderr)."""
     from .models import load_model
-    from .offload import OffloadError
 
     try:
         policy = get_policy(args.preset)
@@ -703,8 +702,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             reuse=args.reuse,
             progress=True,
         )
-    except (FileNotFoundError, ValueError, OffloadError, RuntimeError) as err:
-        print(f"kvtier doctor: {err}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError) as err:  # OffloadError and kvtier's errors are RuntimeErrors
+        if getattr(args, "traceback", False):  # ``kvtier --traceback doctor ...``
+            raise
+        print(f"kvtier doctor: {' '.join(str(err).split()) or type(err).__name__}", file=sys.stderr)
         return 2
     print(report)
     if report.cuda_summary:
