@@ -8,6 +8,7 @@
 from .attention import disable, enable, register
 from .cache import TieredCache, TieredLayer
 from .diagnostics import MemoryReport, memory_report
+from .errors import CacheFullError, KVTierError
 from .offload import OffloadError
 from .policy import PRESETS, OffloadPolicy, SparsePolicy, TierPolicy, get_policy
 
@@ -15,6 +16,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PRESETS",
+    "CacheFullError",
+    "KVTierError",
     "MemoryReport",
     "OffloadError",
     "OffloadPolicy",

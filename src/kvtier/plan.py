@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .cache.layer import make_codecs, storage_dtype
+from .cache.tiers import hot_capacity
 from .policy import PRESETS, TierPolicy, get_policy
 
 #: Built-in model shapes: layers, KV heads, head_dim (all full-attention layers).
@@ -179,7 +180,8 @@ def layer_plan(policy: TierPolicy, n: int, B: int, H: int, D: int, dtype: torch.
     T = policy.block_tokens
     hot_start = T * max(0, (n - policy.hot_tokens) // T) if n > policy.hot_tokens else 0
     hot = n - hot_start
-    capacity = max(policy.hot_tokens + T, hot) if n else 0
+    bound = policy.hot_tokens + T  # a hot buffer's steady size (kvtier.cache.tiers.HotBuffer)
+    capacity = 0 if not n else bound if n >= bound else hot_capacity(n, bound)
     blocks = hot_start // T
     warm_cap = blocks if policy.warm_tokens is None else min(blocks, policy.warm_tokens // T)
     cold_blocks = blocks - warm_cap

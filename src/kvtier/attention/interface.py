@@ -3,7 +3,8 @@
 ``kvtier.enable(model)`` registers both functions under the name ``"kvtier"`` (a name of our
 own, so nothing of transformers' is replaced) and switches the model to it;
 ``kvtier.disable(model)`` switches the model back to the implementation it had. ``enable`` also
-works as a context manager.
+works as a context manager; nested ``enable`` blocks are counted, and the model switches back only
+when the outermost one is left (or as many ``disable`` calls as ``enable`` calls were made).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from .mask import KVMask, kvtier_mask
 from .reference import reference_attention
 from .tiered import tiered_attention
 
-_PREVIOUS: weakref.WeakKeyDictionary[PreTrainedModel, str] = weakref.WeakKeyDictionary()
+#: model -> [implementation before the first enable, open enables]
+_PREVIOUS: weakref.WeakKeyDictionary[PreTrainedModel, list] = weakref.WeakKeyDictionary()
 
 
 def dense_attention(
@@ -64,11 +66,15 @@ def kvtier_attention(
         return dense_attention(query, key, value, attention_mask, scaling), None
     if attention_mask is not None and not isinstance(attention_mask, KVMask):
         raise NotImplementedError("tiered layers need kvtier's mask function; got a precomputed mask tensor")
-    if layer.attention == "reference":
-        out = reference_attention(layer, query, attention_mask, scaling)
-    else:
-        out = tiered_attention(layer, query, attention_mask, scaling)
-    layer.settle(None if attention_mask is None else attention_mask.padding)
+    try:
+        if layer.attention == "reference":
+            out = reference_attention(layer, query, attention_mask, scaling)
+        else:
+            out = tiered_attention(layer, query, attention_mask, scaling)
+    except BaseException as err:  # undo this call's changes to the cache, then let it through
+        layer.abort(err)
+        raise
+    layer.settle(None if attention_mask is None else attention_mask.padding)  # all or nothing itself
     return out, None
 
 
@@ -86,12 +92,18 @@ class enable:
     """
 
     def __init__(self, model: PreTrainedModel):
+        if not isinstance(model, PreTrainedModel):
+            raise TypeError(f"kvtier.enable expects a transformers model, got {type(model).__name__}")
         register()
         self.model = model
-        current = model.config._attn_implementation
-        if current != ATTENTION_NAME:
-            _PREVIOUS[model] = current
-            model.set_attn_implementation(ATTENTION_NAME)
+        entry = _PREVIOUS.get(model)
+        if entry is None:
+            current = model.config._attn_implementation
+            if current != ATTENTION_NAME:
+                model.set_attn_implementation(ATTENTION_NAME)
+            _PREVIOUS[model] = [current, 1]
+        else:
+            entry[1] += 1
 
     def __enter__(self) -> PreTrainedModel:
         return self.model
@@ -101,7 +113,12 @@ class enable:
 
 
 def disable(model: PreTrainedModel) -> None:
-    """Restore the attention implementation ``model`` had before :class:`enable`."""
-    previous = _PREVIOUS.pop(model, None)
-    if previous is not None:
-        model.set_attn_implementation(previous)
+    """Close one :class:`enable`; the last one restores the attention implementation ``model`` had."""
+    entry = _PREVIOUS.get(model)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] <= 0:
+        del _PREVIOUS[model]
+        if entry[0] != ATTENTION_NAME:
+            model.set_attn_implementation(entry[0])

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
 
+from ..cache.layer import FORWARDS
+
 
 @dataclass
 class KVMask:
@@ -70,7 +72,11 @@ def kvtier_mask(
     device: Any = "cpu",
     **kwargs: Any,
 ) -> KVMask:
-    """Mask function registered under the name ``"kvtier"`` (signature of ``sdpa_mask``)."""
+    """Mask function registered under the name ``"kvtier"`` (signature of ``sdpa_mask``).
+
+    transformers builds it once per forward call, before the layers run; each build advances
+    ``kvtier.cache.layer.FORWARDS``, which tells a cache that this call runs kvtier attention."""
+    FORWARDS[0] += 1
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
     if padding is not None and bool(padding.all()):
         padding = None

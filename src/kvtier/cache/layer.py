@@ -15,6 +15,12 @@ Data flow per forward call:
 Token index ranges (shared by all rows): evicted ``[0, e)``, cold ``[e, e + C)``, warm next,
 hot ``[hot_start, seen)``. Per-row validity masks exclude pads and captured sinks.
 
+Faults: a move is all-or-nothing. Tiers change copy-on-write, and the layer records how to undo
+each change in a :class:`Journal` (a few references: the hot and sink buffers' old tensors,
+blocks taken from a tier's front, counts pushed onto a tier's back). ``settle`` undoes its own
+changes when a step fails; a :class:`~kvtier.TieredCache` keeps one journal per layer for a
+whole forward call and undoes every layer's changes when the call fails anywhere in kvtier.
+
 With ``cold="offload"`` the cold tier is a :class:`~kvtier.offload.tier.OffloadTier` (same
 interface: resident key sketches and a block table over a block store in host RAM or on disk),
 and attention goes through :mod:`kvtier.offload.attention`.
@@ -22,13 +28,17 @@ and attention goes through :mod:`kvtier.offload.attention`.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..diagnostics import SparseStats
+from ..diagnostics import SparseStats, tensor_bytes
+from ..errors import KVTierError
 from ..policy import TierPolicy
 from .codecs import Codec, KBitCodec, SignCodec
 from .tiers import BlockTier, HotBuffer, SinkBuffer
@@ -42,6 +52,17 @@ HANDLE_KEY = "tiered_layer"
 #: "per-tier" the same without the fused call (a partial per tier, merged in torch);
 #: "reference" decodes each tier and runs SDPA (the oracle).
 ATTENTION_PATHS = ("fast", "per-tier", "reference")
+
+#: Count of kvtier masks built so far: transformers builds a model's mask once per forward call,
+#: before any layer runs, so a cache sees this change between forward calls exactly when the
+#: model runs kvtier's mask (and so kvtier's attention). Bumped by kvtier.attention.mask.
+FORWARDS = [0]
+
+
+def forward_epoch() -> int:
+    """The number of kvtier masks built so far (see ``FORWARDS``)."""
+    return FORWARDS[0]
+
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -76,6 +97,45 @@ def make_codecs(policy: TierPolicy, head_dim: int) -> tuple[Codec, Codec | None]
     return warm, KBitCodec(policy.cold_bits, g, rotate=policy.cold_rotation)
 
 
+class Journal:
+    """How to undo what one layer did since the journal began (see the module doc).
+
+    Counts and buffer references are taken at the start; tier changes add an undo step as they
+    happen; ``on_commit`` steps run when the changes are kept (e.g. freeing store records of
+    blocks that left a tier, which an undo would need back).
+    """
+
+    def __init__(self, layer: TieredLayer):
+        self.initialized = layer.is_initialized
+        self.seen, self.hot_start, self.evicted, self.batch = layer.seen, layer.hot_start, layer.evicted, layer.batch
+        self.hot = layer.hot.state()
+        self.sinks = layer.sinks.state()
+        self.stats = dataclasses.replace(layer.sparse_stats)
+        self.cold = layer.cold.state() if hasattr(layer.cold, "state") else None
+        self.undo: list[Callable[[], None]] = []
+        self.on_commit: list[Callable[[], None]] = []
+
+    def rollback(self, layer: TieredLayer) -> None:
+        """Put ``layer`` back as it was when the journal began."""
+        if not self.initialized:
+            layer.reset()
+            return
+        for step in reversed(self.undo):
+            step()
+        layer.hot.restore(self.hot)
+        layer.sinks.restore(self.sinks)
+        if self.cold is not None:
+            layer.cold.restore(self.cold)
+        layer.seen, layer.hot_start, layer.evicted, layer.batch = self.seen, self.hot_start, self.evicted, self.batch
+        layer.sparse_stats = self.stats
+        layer.journal = None
+
+    def commit(self, layer: TieredLayer) -> None:
+        for step in self.on_commit:
+            step()
+        layer.journal = None
+
+
 class TieredLayer(CacheLayerMixin):
     """A transformers cache layer holding sinks, hot, warm and cold tiers (see module doc)."""
 
@@ -98,6 +158,7 @@ class TieredLayer(CacheLayerMixin):
         self.attention = attention
         self.layer_idx = layer_idx
         self.offloader = None
+        self.journal: Journal | None = None
         if policy.cold == "offload" and not policy.is_exact:  # directories are checked here
             from ..offload.prefetch import Offloader
 
@@ -125,8 +186,10 @@ class TieredLayer(CacheLayerMixin):
         self.seen = 0
         self.hot_start = 0
         self.evicted = 0
+        self.batch = 0
         self.keys = self.values = None
         self.is_initialized = False
+        self.journal = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -151,6 +214,42 @@ class TieredLayer(CacheLayerMixin):
             )
         self.is_initialized = True
 
+    def check_input(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Raise (changing nothing) unless ``key_states, value_states`` fit this layer."""
+        where = "" if self.layer_idx is None else f" (layer {self.layer_idx})"
+        if not isinstance(key_states, torch.Tensor) or not isinstance(value_states, torch.Tensor):
+            raise TypeError(f"TieredCache{where}: key and value states must be tensors")
+        if key_states.dim() != 4 or key_states.shape != value_states.shape:
+            raise ValueError(
+                f"TieredCache{where}: expected key and value states of one shape [batch, kv_heads, tokens, "
+                f"head_dim], got {tuple(key_states.shape)} and {tuple(value_states.shape)}"
+            )
+        if not key_states.is_floating_point():
+            raise TypeError(f"TieredCache{where}: key states must be floating point, got {key_states.dtype}")
+        if not self.is_initialized:
+            return
+        B, H, _, D = key_states.shape
+        if (H, D) != (self.kv_heads, self.head_dim):
+            raise ValueError(
+                f"TieredCache{where}: this cache holds {self.kv_heads} KV heads of dim {self.head_dim}, but the "
+                f"model gave {H} of dim {D}: a cache belongs to one model; build a new TieredCache for this one"
+            )
+        if B != self.batch:
+            raise ValueError(
+                f"TieredCache{where}: this cache holds {self.batch} sequences, but the call has {B}: "
+                "build a new TieredCache for a new batch"
+            )
+        if key_states.device != self.device:
+            raise ValueError(
+                f"TieredCache{where}: this cache lives on {self.device}, but the call's states are on "
+                f"{key_states.device}: keep model and cache on one device"
+            )
+        if key_states.dtype != self.model_dtype:
+            raise TypeError(
+                f"TieredCache{where}: this cache was filled by a {self.model_dtype} model, but the call's states "
+                f"are {key_states.dtype}: build a new TieredCache after changing the model's dtype"
+            )
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,14 +259,26 @@ class TieredLayer(CacheLayerMixin):
                 "TieredCache needs the model to pass its attention kwargs to cache.update "
                 "(transformers >= 5 models do); this model's attention does not."
             )
+        self.check_input(key_states, value_states)
         if self.owner is not None:
-            self.owner.check_attention()
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.hot.append(key_states.to(self.dtype), value_states.to(self.dtype))
-        self.seen += key_states.shape[2]
+            self.owner.begin_update(self)  # checks; starts this layer's journal of the call
+        try:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.hot.append(key_states.to(self.dtype), value_states.to(self.dtype))
+            self.seen += key_states.shape[2]
+        except BaseException as err:
+            self.abort(err)
+            raise
         attn_kwargs[HANDLE_KEY] = self
         return key_states, value_states
+
+    def abort(self, err: BaseException) -> None:
+        """A step of this call failed: undo the call's changes (every layer's, with an owner)."""
+        if self.owner is not None:
+            self.owner.abort(err)
+        elif self.journal is not None:
+            self.journal.rollback(self)
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -189,6 +300,8 @@ class TieredLayer(CacheLayerMixin):
             self._select_rows(torch.arange(self.batch, device=self.device).repeat_interleave(repeats))
 
     def _select_rows(self, index: torch.Tensor) -> None:
+        if self.owner is not None:
+            self.owner.check_usable()
         if not self.is_initialized:
             return
         for tier in (self.hot, self.sinks, self.warm, self.cold):
@@ -207,14 +320,37 @@ class TieredLayer(CacheLayerMixin):
     def prefetch(self) -> None:
         return None
 
+    def __deepcopy__(self, memo: dict) -> TieredLayer:
+        if self.journal is not None:
+            raise KVTierError("a TieredCache cannot be copied in the middle of a forward call")
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            setattr(new, name, copy.deepcopy(value, memo))
+        return new
+
     # --- tier movement ------------------------------------------------------------------------
     def settle(self, token_valid: torch.Tensor | None) -> None:
-        """Move the hot overflow down the tiers.
+        """Move the hot overflow down the tiers, all or nothing.
 
         Parameters
         ----------
         token_valid : bool ``[B, >= seen]`` real-token mask in index space, or None (all real).
         """
+        own = self.journal is None  # no call journal (a layer used on its own): one for this move
+        if own:
+            self.journal = Journal(self)
+        try:
+            self._move(token_valid)
+            if self.owner is not None:
+                self.owner.layer_done(self)
+        except BaseException as err:
+            self.abort(err)
+            raise
+        if own and self.journal is not None:
+            self.journal.commit(self)
+
+    def _move(self, token_valid: torch.Tensor | None) -> None:
         p = self.policy
         if p.hot_tokens is None or not self.is_initialized:
             return
@@ -226,7 +362,6 @@ class TieredLayer(CacheLayerMixin):
         start = self.hot_start
         k, v = self.hot.take_front(n)
         self.hot_start += n
-        self.hot.shrink()
         if token_valid is None:
             valid = torch.ones(self.batch, n, dtype=torch.bool, device=self.device)
         else:
@@ -235,28 +370,55 @@ class TieredLayer(CacheLayerMixin):
         self._push_warm(k, v, valid)
 
     def _push_warm(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
-        assert self.warm is not None
+        assert self.warm is not None and self.journal is not None
+        warm = self.warm
         T = self.policy.block_tokens
         incoming = k.shape[2] // T
         cap = math.inf if self.policy.warm_tokens is None else self.policy.warm_tokens // T
-        overflow = int(max(0, self.warm.nblocks + incoming - cap))
-        from_warm = min(self.warm.nblocks, overflow)
+        overflow = int(max(0, warm.nblocks + incoming - cap))
+        from_warm = min(warm.nblocks, overflow)
         direct = overflow - from_warm  # incoming blocks that would overflow at once
         if from_warm:
-            wk, wv, wvalid = self.warm.pop(from_warm, torch.float32)
-            self._push_cold(wk, wv, wvalid)
+            old = warm.drop_front(from_warm)
+            self.journal.undo.append(lambda: warm.put_front(old))
+            self._push_cold(*warm.decode_blocks(old, torch.float32))
         if direct:
             d = direct * T
             self._push_cold(k[:, :, :d], v[:, :, :d], valid[:, :d])
             k, v, valid = k[:, :, d:], v[:, :, d:], valid[:, d:]
         if k.shape[2]:
-            self.warm.push(k, v, valid)
+            before = warm.nblocks
+            self.journal.undo.append(lambda: warm.truncate(before))
+            warm.push(k, v, valid)
 
     def _push_cold(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
-        if self.cold is None:
+        assert self.journal is not None
+        cold = self.cold
+        if cold is None:
             self.evicted += k.shape[2]
-        else:
-            self.cold.push(k, v, valid)
+            return
+        before = cold.nblocks
+        self.journal.undo.append(lambda: cold.truncate(before))
+        cold.push(k, v, valid)
+
+    def evict_oldest(self, nblocks: int = 1) -> int:
+        """Drop up to ``nblocks`` of the oldest non-sink blocks (cold first, then warm) for a
+        byte cap; returns the blocks dropped. Part of the current journal (undone with it)."""
+        assert self.journal is not None
+        dropped = 0
+        for tier in (self.cold, self.warm):
+            if tier is None or (tier is self.warm and self.cold is not None and self.cold.nblocks):
+                continue
+            take = min(nblocks - dropped, tier.nblocks)
+            if take <= 0:
+                continue
+            old = tier.drop_front(take)
+            self.journal.undo.append(lambda tier=tier, old=old: tier.put_front(old))
+            if hasattr(tier, "release"):  # records of an offloaded tier: freed once the call is kept
+                self.journal.on_commit.append(lambda tier=tier, old=old: tier.release(old))
+            self.evicted += take * tier.block_tokens
+            dropped += take
+        return dropped
 
     # --- views for attention and reports --------------------------------------------------------
     def token_counts(self) -> dict[str, int]:
@@ -285,3 +447,8 @@ class TieredLayer(CacheLayerMixin):
     def offloaded_bytes(self) -> int:
         """Bytes of this layer's blocks in a block store (host RAM or disk); 0 without offload."""
         return self.cold.offloaded_bytes if getattr(self.cold, "is_offloaded", False) else 0
+
+    def nbytes(self) -> int:
+        """Bytes this layer holds: its tensors (as :func:`kvtier.memory_report` counts them) plus
+        its blocks in a store."""
+        return tensor_bytes(t for ts in self.tier_tensors().values() for t in ts) + self.offloaded_bytes()

@@ -52,6 +52,8 @@ from typing import NoReturn
 import numpy as np
 import torch
 
+from ..errors import KVTierError
+
 BACKENDS = ("cpu", "disk")
 #: A slab holds at least this many records, else an eighth of the capacity so far ...
 SLAB_MIN_RECORDS = 16
@@ -59,7 +61,7 @@ SLAB_MIN_RECORDS = 16
 SLAB_MAX_BYTES = 8 << 20
 
 
-class OffloadError(RuntimeError):
+class OffloadError(KVTierError):
     """An offloading failure kvtier can name: a directory that cannot be used, a full disk, or
     a block whose record is missing or fails its checksum."""
 
@@ -202,8 +204,9 @@ class BlockStore(NotCopyable):
         if self.backend == "cpu":
             self._slabs.append(torch.empty(size, self.record_bytes, dtype=torch.uint8, pin_memory=self.pin))
         else:
-            crc = torch.zeros(size, dtype=torch.int32)
-            crc = crc if self._crc is None else torch.cat([self._crc, crc])
+            with torch.inference_mode(False):  # written in place later, maybe outside inference mode
+                crc = torch.zeros(size, dtype=torch.int32)
+                crc = crc if self._crc is None else torch.cat([self._crc, crc])
             mm, path = self._new_file(size)
             self._maps.append(mm)
             self._paths.append(path)
@@ -233,11 +236,20 @@ class BlockStore(NotCopyable):
                 pass
         del self._maps[keep:], self._paths[keep:], self._starts[keep:]
         if self._crc is not None:
-            self._crc = self._crc[:cap].clone() if cap else None
+            with torch.inference_mode(False):
+                self._crc = self._crc[:cap].clone() if cap else None
         self._free = [i for i in self._free if i < cap]
         heapq.heapify(self._free)
         del self._live[cap:]
         self.capacity = cap
+
+    def trim(self) -> None:
+        """Release trailing slabs that hold no live record (their files too): a store whose
+        records were freed after an undone push gives back the slabs that push grew."""
+        keep = len(self._starts)
+        while keep and not any(self._live[self._starts[keep - 1] :]):
+            keep -= 1
+        self._release_slabs(keep)
 
     def _new_file(self, size: int) -> tuple[mmap.mmap, str]:
         assert self.directory is not None

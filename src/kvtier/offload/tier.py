@@ -117,6 +117,66 @@ class OffloadTier(NotCopyable):
         table[:, :, old:] = self.store.put(self.layout.encode(kb, vb, bvalid)).view(B, H, n)
         self.fields, self.table = new, table
 
+    def state(self) -> tuple:
+        """The per-step prediction (what a layer's journal restores beside the block moves)."""
+        return self.predicted, self._observed
+
+    def restore(self, state: tuple) -> None:
+        self.drop_staging()
+        self.predicted, self._observed = state
+
+    def truncate(self, n: int) -> None:
+        """Keep the oldest ``n`` blocks and free the records of the others (undoes a :meth:`push`)."""
+        if n >= self.nblocks:
+            return
+        self.drop_staging()
+        assert self.table is not None
+        gone = self.table[:, :, n:]
+        if n == 0:
+            self.fields, self.table = {}, None
+        else:
+            self.fields = {name: t[:, :, :n].clone() for name, t in self.fields.items()}
+            self.table = self.table[:, :, :n].clone()
+        self.predicted = None
+        self.release({"table": gone})
+        self.store.trim()
+
+    def drop_front(self, n: int) -> dict[str, torch.Tensor]:
+        """Remove the oldest ``n`` blocks from the tier and return them (resident fields and their
+        ``table`` of record ids); their records stay allocated until :meth:`release`."""
+        self.drop_staging()
+        assert self.table is not None
+        old = {name: t[:, :, :n].clone() for name, t in self.fields.items()}
+        old["table"] = self.table[:, :, :n].clone()
+        if n >= self.nblocks:
+            self.fields, self.table = {}, None
+        else:
+            self.fields = {name: t[:, :, n:].clone() for name, t in self.fields.items()}
+            self.table = self.table[:, :, n:].clone()
+        self.predicted = None
+        return old
+
+    def put_front(self, old: dict[str, torch.Tensor]) -> None:
+        """Put blocks returned by :meth:`drop_front` back in front."""
+        if not old:
+            return
+        self.drop_staging()
+        old = dict(old)
+        table = old.pop("table")
+        if not self.fields:
+            self.fields, self.table = old, table
+        else:
+            self.fields = {name: torch.cat([old[name], t], dim=2) for name, t in self.fields.items()}
+            self.table = torch.cat([table, self.table], dim=2)
+        self.predicted = None
+
+    def release(self, old: dict[str, torch.Tensor]) -> None:
+        """Free the records of blocks that left the tier (``old["table"]``), unless still referenced."""
+        gone = old["table"].unique()
+        if self.table is not None:
+            gone = gone[~torch.isin(gone, self.table.unique())]
+        self.store.free(gone)
+
     def index_select(self, index: torch.Tensor) -> None:
         """Select / reorder batch rows (beam search): permute the table, free unreferenced records."""
         self.drop_staging()

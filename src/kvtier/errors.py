@@ -1,0 +1,16 @@
+"""kvtier's exceptions (a leaf module: imports nothing of kvtier).
+
+Every error kvtier raises on purpose is a :class:`KVTierError` (or a ``ValueError``/``TypeError``
+for a bad argument), with a one-line message that says what to do.
+"""
+
+from __future__ import annotations
+
+
+class KVTierError(RuntimeError):
+    """A kvtier cache was misused, or is unusable after a fault it could not undo."""
+
+
+class CacheFullError(KVTierError):
+    """A call would make a capped cache (``TieredCache(..., max_bytes=N, on_full="error")``) hold
+    more than ``N`` bytes; the cache is left as it was before the call."""
