@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=1280)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--plot-dir", help="write <preset>.png (memory over the calls) here")
+    ap.add_argument("--gc", action="store_true", help="gc.collect() after each call (frees dropped caches at once)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     calls = args.calls or (1000 if args.model == "tiny" else 100)
     print(
         f"soak: {model_name}, prompt {ids.shape[1]} tokens ({source}) + {args.new_tokens} new, {calls} calls per"
-        " preset, a fresh cache per call, 1 torch thread",
+        f" preset, a fresh cache per call{', gc.collect() after each' if args.gc else ''}, 1 torch thread",
         flush=True,
     )
 
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     for preset in args.presets.split(","):
         t0 = time.perf_counter()
         bar = sys.stderr.isatty()
-        rep = diagnose(model, ids, preset, calls=calls, new_tokens=args.new_tokens, warmup=args.warmup, progress=bar)
+        kw = {"new_tokens": args.new_tokens, "warmup": args.warmup, "progress": bar, "collect": args.gc}
+        rep = diagnose(model, ids, preset, calls=calls, **kw)
         wall = time.perf_counter() - t0
         if args.plot_dir:
             Path(args.plot_dir).mkdir(parents=True, exist_ok=True)
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             "verdict": rep.verdict,
             "cache_kib": rep.rows[-1].cache_bytes / 1024,
             "max_caches_alive": max(r.caches_alive for r in rep.rows),
+            "max_alive_cache_mib": max(r.alive_cache_bytes for r in rep.rows) / 2**20,
             "autograd": len(rep.autograd),
             "threads_left": rep.threads_left,
             "fds_left": rep.fds_left,
@@ -127,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{preset:<16} RSS {res['rss_mib_after_warmup']:.1f} -> {res['rss_mib_end']:.1f} MiB after warm-up"
             f" (drift {res['rss_drift_pct']:+.2f}%), slope {res['slope_kib_per_call']:+.2f} KiB/call"
             f" (last half {res['tail_slope_kib_per_call']:+.2f}): {res['verdict']}; caches alive <="
-            f" {res['max_caches_alive']}; left: {len(res['threads_left'])} threads, {len(res['fds_left'])} fds,"
+            f" {res['max_caches_alive']} ({res['max_alive_cache_mib']:.1f} MiB); left:"
+            f" {len(res['threads_left'])} threads, {len(res['fds_left'])} fds,"
             f" {len(res['files_left'])} offload dirs, {len(res['maps_left'])} maps;"
             f" {res['ms_per_call']:.0f} ms/call; target {'met' if res['target_met'] else 'NOT met'}",
             flush=True,
@@ -142,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 "new_tokens": args.new_tokens,
                 "calls": calls,
                 "threads": 1,
+                "gc_each_call": args.gc,
                 "target_drift_pct": TARGET_DRIFT_PCT,
                 "all_met": ok,
                 "presets": results,

@@ -110,6 +110,12 @@ def test_leaking_loop_is_flagged(model):
     assert not report.clean
 
 
+def test_collect_frees_each_cache(model):
+    report = diagnose(model, prompt(64), SMALL, calls=12, warmup=4, new_tokens=2, collect=True)
+    assert report.collect and "gc.collect() after each" in str(report)
+    assert all(r.caches_alive == 0 and r.alive_cache_bytes == 0 for r in report.rows)
+
+
 def test_reuse_grows_one_cache(model):
     report = diagnose(model, prompt(64), SMALL, calls=24, warmup=8, new_tokens=4, reuse=True)
     assert report.verdict == NO_LEAK

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -289,7 +290,7 @@ class DoctorReport:
     Attributes
     ----------
     preset : the policy name (or the cache factory's name).
-    calls, warmup, new_tokens, prompt_tokens, reuse : the run.
+    calls, warmup, new_tokens, prompt_tokens, reuse, collect : the run.
     baseline_rss : RSS before the first call.
     rows : one :class:`CallRow` per call.
     verdict : ``"leak"`` or ``"no leak"``.
@@ -312,6 +313,7 @@ class DoctorReport:
     new_tokens: int
     prompt_tokens: int
     reuse: bool
+    collect: bool
     baseline_rss: int
     rows: list[CallRow]
     verdict: str
@@ -347,7 +349,8 @@ class DoctorReport:
         window = self.rows[self.warmup :]
         lines = [
             f"kvtier doctor: {self.preset}, {self.calls} calls ({self.warmup} warm-up), prompt {self.prompt_tokens}"
-            f" + {self.new_tokens} new tokens, {'one cache reused' if self.reuse else 'a fresh cache per call'}",
+            f" + {self.new_tokens} new tokens, {'one cache reused' if self.reuse else 'a fresh cache per call'}"
+            + (", gc.collect() after each" if self.collect else ""),
             f"  baseline RSS {self.baseline_rss / mib:.1f} MiB; after warm-up {window[0].rss_bytes / mib:.1f} MiB,"
             f" at the end {window[-1].rss_bytes / mib:.1f} MiB (drift {self.rss_drift_pct:+.2f}%)",
             f"  cache {self.rows[-1].cache_bytes / mib:.3f} MiB per call; caches alive at most"
@@ -447,6 +450,7 @@ def diagnose(
     reuse: bool = False,
     rule: LeakRule | None = None,
     progress: bool = False,
+    collect: bool = False,
 ) -> DoctorReport:
     """Run ``calls`` requests the way a serving loop would and report memory per call.
 
@@ -454,9 +458,9 @@ def diagnose(
     runs ``loop`` on it under ``kvtier.enable(model)``; with ``reuse`` one cache serves every call,
     each continuing the previous output (the cache grows by ``new_tokens`` a call). After each call
     the cache's tensors are checked for autograd state, the cache is released and RSS (and CUDA
-    memory) is read. Nothing calls the garbage collector: a cache held by a reference cycle stays
-    alive until Python's cyclic collector runs, as in a user's loop, and its bytes are counted as
-    explained (:attr:`CallRow.alive_cache_bytes`).
+    memory) is read. Unless ``collect``, nothing calls the garbage collector: a cache held by a
+    reference cycle stays alive until Python's cyclic collector runs, as in a user's loop, and its
+    bytes are counted as explained (:attr:`CallRow.alive_cache_bytes`).
 
     Parameters
     ----------
@@ -475,6 +479,8 @@ def diagnose(
     reuse : one cache grown across the calls instead of a fresh one per call.
     rule : the leak rule (default :class:`LeakRule`).
     progress : show a tqdm bar over the calls (stderr).
+    collect : call ``gc.collect()`` after each call, before measuring (not timed): dropped caches
+        are then freed at once, which tells garbage waiting for the collector from a leak.
 
     Returns
     -------
@@ -552,6 +558,8 @@ def diagnose(
                 _close(cache)
                 cache = None
                 seconds += time.perf_counter() - t1
+            if collect:
+                gc.collect()
             live = [c for c in (r() for r in alive) if c is not None]
             alive = [weakref.ref(c) for c in live]
             held = [_cache_bytes(c) for c in live]
@@ -599,6 +607,7 @@ def diagnose(
         new_tokens=new_tokens,
         prompt_tokens=int(ids.shape[1]),
         reuse=reuse,
+        collect=collect,
         baseline_rss=baseline,
         rows=rows,
         verdict=verdict,
@@ -668,6 +677,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=_positive, default=512)
     p.add_argument("--warmup", type=int, default=None, help="calls left out of the trend (default max(5, calls/5))")
     p.add_argument("--reuse", action="store_true", help="one cache grown across the calls")
+    p.add_argument("--gc", action="store_true", help="gc.collect() after each call (frees dropped caches at once)")
     p.add_argument("--offload-dir", help="directory for the offload-disk files (default: the temp directory)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=_positive, default=max(1, min(2, torch.get_num_threads())))
@@ -701,6 +711,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             reuse=args.reuse,
             progress=True,
+            collect=args.gc,
         )
     except (ValueError, OSError, RuntimeError) as err:  # OffloadError and kvtier's errors are RuntimeErrors
         if getattr(args, "traceback", False):  # ``kvtier --traceback doctor ...``
