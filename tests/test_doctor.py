@@ -195,9 +195,9 @@ def test_quantized_tiers_hold_no_graph(model, policy):
 @pytest.mark.xfail(
     strict=True,
     reason="with gradients on, the exact tiers keep the graph: HotBuffer.append writes K/V in place "
-    "(cache/tiers.py:90-91, CopySlices), SinkBuffer captures by index_put (cache/tiers.py:167-168), and the "
-    "offload key sketch is encoded with autograd on (offload/sketch.py KeySketch.encode -> offload/tier.py:112 "
-    "cat); transformers' DynamicCache does the same",
+    "(cache/tiers.py, CopySlices), SinkBuffer.capture by index_put (IndexPutBackward0), and the offload key "
+    "sketch is encoded with autograd on (offload/sketch.py KeySketch.encode, then OffloadTier.push's cat); "
+    "transformers' DynamicCache does the same",
 )
 def test_no_tier_holds_a_graph(model):
     cache = TieredCache(model.config, SMALL.replace(cold="offload", warm_tokens=0))
