@@ -383,3 +383,22 @@ def test_cap_arguments_are_checked(llama):
         kvtier.TieredCache(llama.config, "default", max_bytes=1 << 20, on_full="drop")
     with pytest.raises(ValueError, match="offload"):
         kvtier.TieredCache(llama.config, "offload-cpu", max_bytes=1 << 20, on_full="evict")
+
+
+def test_planner_prices_the_cap(llama):
+    """``kvtier plan --max-bytes``: the tokens a capped cache takes before CacheFullError, exactly."""
+    from kvtier.plan import ModelShape, capped_tokens
+
+    cfg = llama.config
+    shape = ModelShape("tiny", ("full_attention",) * cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    cap = 600_000
+    fits = capped_tokens(shape, cap, "default", dtype=torch.float32)
+    cache = kvtier.TieredCache(cfg, "default", max_bytes=cap)
+    ids = _ids(fits + 64, seed=9)
+    with kvtier.enable(llama):
+        _feed(llama, cache, ids[:, :fits], chunk=64)
+        assert cache.memory_report().total_bytes <= cap
+        with pytest.raises(CacheFullError):
+            for s in range(fits, fits + 64):
+                _feed(llama, cache, ids[:, s : s + 1])
+    assert cache.get_seq_length() == fits

@@ -50,14 +50,37 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _bytes(text: str) -> int:
+    """A byte count: an integer, or with a K/M/G/T suffix (powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = units.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if scale > 1 else t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 9G, 512M or 1000000, got {text!r}") from None
+    if not 0 < value < 1 << 60:
+        raise argparse.ArgumentTypeError(f"expected a positive byte count, got {text!r}")
+    return int(value)
+
+
 # --- plan -------------------------------------------------------------------------------------
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .plan import format_plans, model_shape, plan
+    from .plan import capped_tokens, format_plans, model_shape, plan
 
     shape = model_shape(args.model)
     names = list(PRESETS) if args.policy == "all" else [args.policy]
     plans = [plan(shape, args.seq_len, name, args.batch, args.dtype) for name in names]
     print(format_plans(shape, plans))
+    capped: dict[str, int] = {}
+    if args.max_bytes is not None:
+        capped = {
+            p.policy: capped_tokens(shape, args.max_bytes, n, args.batch, args.dtype) for p, n in zip(plans, names)
+        }
+        print(f"\nunder max_bytes={args.max_bytes:,} (TieredCache(..., max_bytes=N)): tokens per row that fit")
+        for p in plans:
+            verdict = "fits" if p.total_bytes <= args.max_bytes else "on_full='error' raises, 'evict' keeps ~this many"
+            print(f"{p.policy:<16}{capped[p.policy]:>12,}  {verdict} at --seq-len {args.seq_len:,}")
     if args.json:
         chosen = plans[0] if args.policy != "all" else plans[names.index("default")]
         out: dict[str, Any] = {
@@ -70,6 +93,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "policy": chosen.policy,
             "policies": {p.policy: p.to_dict() for p in plans},
         }
+        if args.max_bytes is not None:
+            out["max_bytes"] = args.max_bytes
+            out["capped_tokens"] = capped
         print(json.dumps(out))
     return 0
 
@@ -343,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="all", choices=["all", *PRESETS])
     p.add_argument("--batch", type=_positive, default=1)
     p.add_argument("--dtype", type=_dtype, default=torch.float16, help="model dtype (default float16)")
+    p.add_argument(
+        "--max-bytes", type=_bytes, default=None, help="a byte cap (e.g. 9G, 512M, 1000000): tokens that fit under it"
+    )
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     p.set_defaults(fn=cmd_plan)
 
@@ -394,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("results", nargs="+")
     r.add_argument("-o", "--output", default="report.md")
     r.set_defaults(fn=cmd_report)
+    from .doctor import add_parser as add_doctor
+
+    add_doctor(sub)
     return parser
 
 

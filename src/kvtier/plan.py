@@ -255,6 +255,32 @@ def plan(
     return Plan(pol.name, seq_len, batch, fp16, per_tier, tokens)
 
 
+def capped_tokens(
+    model: str | ModelShape,
+    max_bytes: int,
+    policy: str | TierPolicy = "default",
+    batch: int = 1,
+    dtype: torch.dtype = torch.float16,
+) -> int:
+    """The most tokens per row a cache capped at ``max_bytes`` holds (``TieredCache(...,
+    max_bytes=N)``): with ``on_full="error"`` a call past it raises ``CacheFullError``; with
+    ``"evict"`` the cache keeps about this many (sinks and the newest tokens). 0 if not even one
+    token fits. Bytes grow with the length, so this is a bisection over :func:`plan`."""
+    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
+        raise ValueError(f"max_bytes={max_bytes!r} is not allowed: expected an int > 0 (bytes)")
+    shape = model if isinstance(model, ModelShape) else model_shape(model)
+    lo, hi = 0, min(MAX_SEQ_LEN, MAX_TOTAL_TOKENS // batch)  # plan(lo) fits (or lo = 0)
+    if plan(shape, hi, policy, batch, dtype).total_bytes <= max_bytes:
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if plan(shape, mid, policy, batch, dtype).total_bytes <= max_bytes:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def format_plans(shape: ModelShape, plans: list[Plan]) -> str:
     """A readable table of plans (GB = 1e9 bytes)."""
     gb = 1e9

@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -154,7 +155,8 @@ class TieredLayer(CacheLayerMixin):
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r} is not allowed: expected one of {ATTENTION_PATHS}")
         self.policy = policy
-        self.owner = owner
+        # a weak reference: a dropped cache is freed at once, not by the cyclic garbage collector
+        self._owner = None if owner is None else weakref.ref(owner)
         self.attention = attention
         self.layer_idx = layer_idx
         self.offloader = None
@@ -165,6 +167,11 @@ class TieredLayer(CacheLayerMixin):
             shared = getattr(owner, "offloader", None)
             self.offloader = shared if shared is not None else Offloader([policy.offload])
         self.reset()
+
+    @property
+    def owner(self) -> TieredCache | None:
+        """The :class:`~kvtier.TieredCache` this layer belongs to (None for a layer used alone)."""
+        return None if self._owner is None else self._owner()
 
     @property
     def fused(self) -> bool:
@@ -326,7 +333,12 @@ class TieredLayer(CacheLayerMixin):
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         for name, value in self.__dict__.items():
-            setattr(new, name, copy.deepcopy(value, memo))
+            if name == "_owner" and value is not None:  # the copy belongs to the copied cache
+                owner = copy.deepcopy(value(), memo)
+                value = None if owner is None else weakref.ref(owner)
+            else:
+                value = copy.deepcopy(value, memo)
+            setattr(new, name, value)
         return new
 
     # --- tier movement ------------------------------------------------------------------------
