@@ -65,6 +65,56 @@ GOOD_CONFIG = {"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_
 NO_LAYERS = {k: v for k, v in GOOD_CONFIG.items() if k != "num_hidden_layers"}
 
 
+def layer_calls(*states: tuple, policy: str = "default") -> Callable[[Path], object]:
+    """A standalone tiered layer fed ``states`` in turn: each ``(k_shape, dtype, device)`` or a
+    ``(k, v)`` pair of tensors; the last one must raise."""
+
+    def run(_: Path) -> None:
+        from kvtier.cache.layer import TieredLayer
+
+        layer = TieredLayer(get_policy(policy))
+        for st in states:
+            if isinstance(st[0], torch.Tensor):
+                k, v = st
+            else:
+                shape, dtype, device = st
+                k = v = torch.zeros(shape, dtype=dtype, device=device)
+            layer.update(k, v, kwargs={})
+
+    return run
+
+
+def tiny_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+
+
+def cache_call(**kwargs: object) -> Callable[[Path], object]:
+    def run(_: Path) -> object:
+        from kvtier import TieredCache
+
+        return TieredCache(tiny_config(), **kwargs)
+
+    return run
+
+
+def cache_update(layer_idx: object) -> Callable[[Path], object]:
+    def run(_: Path) -> object:
+        from kvtier import TieredCache
+
+        k = torch.zeros(1, 2, 3, 16)
+        return TieredCache(tiny_config()).update(k, k, layer_idx, kwargs={})
+
+    return run
+
+
+F32, CPU = torch.float32, "cpu"
+
+
 def bad_results(tmp: Path) -> str:
     path = tmp / "bad.json"
     path.write_text(json.dumps({"schema": "other"}))
@@ -172,6 +222,62 @@ CASES = [
     usage("contexts overflow", ["eval", "ppl", "--contexts", "1e400k"], "--contexts", "1e400k"),
     usage("depths", ["eval", "recall", "--depths", "0,1.5"], "--depths", "0,1.5"),
     usage("caches", ["eval", "ppl", "--caches", "fast"], "--caches", "fast"),
+    usage("max-bytes", ["plan", "--model", "llama-2-13b", "--seq-len", "8", "--max-bytes", "9Q"], "--max-bytes", "9Q"),
+    cli("doctor offload dir", ["doctor", "--offload-dir", "."], "kvtier doctor:", "--offload-dir"),
+    # --- a cache and its calls: shapes, dtypes, devices, layers ---------------------------------
+    raises("states 3d", layer_calls(((1, 2, 16), F32, CPU)), ValueError, "[batch, kv_heads, tokens, head_dim]"),
+    raises(
+        "k/v shapes differ",
+        layer_calls((torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 8))),
+        ValueError,
+        "(1, 2, 3, 16) and (1, 2, 3, 8)",
+    ),
+    raises("states int", layer_calls(((1, 2, 3, 16), torch.int64, CPU)), TypeError, "floating point", "torch.int64"),
+    raises(
+        "kv heads changed",
+        layer_calls(((1, 2, 3, 16), F32, CPU), ((1, 4, 1, 16), F32, CPU)),
+        ValueError,
+        "holds 2 KV heads of dim 16",
+        "gave 4 of dim 16",
+    ),
+    raises(
+        "head dim changed",
+        layer_calls(((1, 2, 3, 16), F32, CPU), ((1, 2, 1, 32), F32, CPU)),
+        ValueError,
+        "gave 2 of dim 32",
+    ),
+    raises(
+        "batch changed", layer_calls(((1, 2, 3, 16), F32, CPU), ((3, 2, 1, 16), F32, CPU)), ValueError, "the call has 3"
+    ),
+    raises(
+        "dtype changed",
+        layer_calls(((1, 2, 3, 16), F32, CPU), ((1, 2, 1, 16), torch.bfloat16, CPU)),
+        TypeError,
+        "torch.float32 model",
+        "torch.bfloat16",
+    ),
+    raises(
+        "device changed",
+        layer_calls(((1, 2, 3, 16), F32, CPU), ((1, 2, 1, 16), F32, "meta")),
+        ValueError,
+        "lives on cpu",
+        "meta",
+    ),
+    raises(
+        "value group vs head dim",
+        layer_calls(((1, 2, 3, 48), F32, CPU), policy="kivi2"),
+        ValueError,
+        "value_group_size=32",
+        "head_dim=48",
+    ),
+    raises("cache max_bytes 0", cache_call(max_bytes=0), ValueError, "max_bytes=0"),
+    raises("cache max_bytes float", cache_call(max_bytes=1.5e9), ValueError, "max_bytes=1500000000.0"),
+    raises("cache on_full", cache_call(max_bytes=1 << 20, on_full="drop"), ValueError, "on_full='drop'"),
+    raises("cache attention path", cache_call(attention="flash"), ValueError, "attention='flash'"),
+    raises("cache policy", cache_call(policy="fastest"), ValueError, "policy='fastest'"),
+    raises("cache config", lambda _: __import__("kvtier").TieredCache("llama"), TypeError, "str"),
+    raises("cache layer 99", cache_update(99), RuntimeError, "layer_idx=99", "built for 2 layers"),
+    raises("enable non-model", lambda _: __import__("kvtier").enable(object()), TypeError, "object"),
 ]
 
 
