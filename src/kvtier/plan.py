@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .cache.layer import make_codecs, storage_dtype
+from .cache.codecs import make_codecs, storage_dtype
 from .cache.tiers import hot_capacity
 from .policy import PRESETS, TierPolicy, get_policy
 

@@ -10,19 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.layer import TieredLayer
+from ..indexing import hot_allowed
 from .mask import KVMask
 
 
 def hot_mask(layer: TieredLayer, q_len: int, padding: torch.Tensor | None) -> torch.Tensor:
-    """bool ``[B or 1, q, L]``: causal (by index) and padding mask over the hot tier."""
-    L = layer.hot.length
-    dev = layer.device
-    q_pos = layer.seen - q_len + torch.arange(q_len, device=dev)
-    k_pos = layer.hot_start + torch.arange(L, device=dev)
-    allowed = (k_pos[None, :] <= q_pos[:, None])[None]
-    if padding is not None:
-        allowed = allowed & padding[:, None, layer.hot_start : layer.seen].to(dev)
-    return allowed
+    """bool ``[B or 1, q, L]``: causal (by index) and padding mask over the hot tier, for the last
+    ``q_len`` positions (see :func:`kvtier.indexing.hot_allowed`)."""
+    q_pos = layer.seen - q_len + torch.arange(q_len, device=layer.device)
+    return hot_allowed(layer, q_pos, padding)
 
 
 def prefix_parts(layer: TieredLayer, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

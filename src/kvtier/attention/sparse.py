@@ -18,8 +18,11 @@ import torch
 
 from ..cache.codecs import KBitCodec
 from ..cache.tiers import BlockTier
+from ..indexing import union_blocks
 from ..policy import SparsePolicy
 from ..quant import rotation
+
+__all__ = ["block_bounds", "gather_fields", "select_blocks", "select_tokens", "union_blocks"]
 
 
 def block_bounds(rows: torch.Tensor, tier: BlockTier) -> torch.Tensor:
@@ -132,24 +135,6 @@ def select_tokens(
     if forced is not None:
         keep = keep | forced
     return keep & finite
-
-
-def union_blocks(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The union of kept blocks per (batch, head), in CSR-like padded form.
-
-    Returns
-    -------
-    blocks : int64 ``[B, H, k]`` block ids in ascending order, ``-1`` where a head keeps fewer.
-    row_mask : bool ``[B, H, R, k]``: which listed blocks each row keeps.
-    """
-    union = keep.any(2)  # [B,H,n]
-    k = max(1, int(union.sum(-1).max()))
-    order = torch.arange(union.shape[-1], 0, -1, device=union.device, dtype=torch.float)
-    idx = (union.float() * (union.shape[-1] + 1) + order).topk(k, dim=-1).indices.sort(dim=-1).values
-    taken = union.gather(-1, idx)
-    idx = torch.where(taken, idx, torch.full_like(idx, -1))
-    row_mask = keep.gather(-1, idx.clamp(min=0).unsqueeze(2).expand(-1, -1, keep.shape[2], -1)) & taken.unsqueeze(2)
-    return idx, row_mask
 
 
 def gather_fields(fields: dict[str, torch.Tensor], blocks: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -17,11 +17,12 @@ import torch
 
 from ..cache.codecs import SignCodec
 from ..cache.layer import TieredLayer
-from ..diagnostics import SparseStats
+from ..indexing import hot_rows_allowed as _hot_allowed  # the name test_triton imports
 from ..kernels import fused_cpu
 from ..kernels.cpu import available as cpu_kernel_available
 from ..policy import SparsePolicy
 from ..quant import rotation
+from ..stats import SparseStats
 from . import partials
 from .mask import KVMask
 from .partials import (
@@ -39,17 +40,6 @@ from .sparse import block_bounds, gather_fields, select_blocks, select_tokens, u
 
 #: Max score elements (rows x tokens) per pass; longer query chunks are split.
 SCORE_BUDGET = 1 << 23
-
-
-def _hot_allowed(layer: TieredLayer, q_pos: torch.Tensor, padding: torch.Tensor | None, groups: int) -> torch.Tensor:
-    """bool ``[B or 1, 1, Gq * len(q_pos), L]`` over hot tokens, rows ordered (group, position)."""
-    L = layer.hot.length
-    k_pos = layer.hot_start + torch.arange(L, device=q_pos.device)
-    allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # [1, q, L]
-    if padding is not None:
-        allowed = allowed & padding[:, None, layer.hot_start : layer.seen].to(q_pos.device)
-    Bm, q = allowed.shape[:2]
-    return allowed.unsqueeze(1).expand(Bm, groups, q, L).reshape(Bm, 1, groups * q, L)
 
 
 def _fused_ok(rows: torch.Tensor, sp: SparsePolicy | None) -> bool:

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from ..policy import TierPolicy
 from ..quant import (
     dequantize_kbit,
     dequantize_sign,
@@ -148,3 +149,38 @@ class SignCodec:
 
 
 Codec = KBitCodec | SignCodec
+
+
+# --- what a policy stores: exact dtype, value groups, tier codecs ------------------------------
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def storage_dtype(policy: TierPolicy, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype sinks and hot tokens are stored in."""
+    if policy.exact_dtype == "model":
+        return model_dtype
+    if policy.exact_dtype == "half":
+        return torch.float16 if model_dtype == torch.float32 else model_dtype
+    return _DTYPES[policy.exact_dtype]
+
+
+def value_group(policy: TierPolicy, head_dim: int) -> int:
+    """Channels per value group: ``policy.value_group_size`` capped at ``head_dim`` (a divisor of it)."""
+    g = min(policy.value_group_size, head_dim)
+    if head_dim % g:
+        raise ValueError(
+            f"value_group_size={policy.value_group_size} is not allowed for head_dim={head_dim}: "
+            "expected a divisor of head_dim"
+        )
+    return g
+
+
+def make_codecs(policy: TierPolicy, head_dim: int) -> tuple[Codec, Codec | None]:
+    """Warm and cold codecs of a policy (cold is None when evicted)."""
+    g = value_group(policy, head_dim)
+    warm = KBitCodec(policy.warm_bits, g)
+    if policy.cold in ("evict", "offload"):  # offload: resident sketches, see kvtier.offload.tier
+        return warm, None
+    if policy.cold == "sign":
+        return warm, SignCodec(g, rotate=policy.cold_rotation)
+    return warm, KBitCodec(policy.cold_bits, g, rotate=policy.cold_rotation)

@@ -31,9 +31,9 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
-from ..diagnostics import tensor_bytes
 from ..errors import CacheFullError, KVTierError
 from ..policy import TierPolicy, get_policy
+from ..stats import OffloadStats, SparseStats, tensor_bytes
 from .layer import ATTENTION_NAME, Journal, TieredLayer, forward_epoch
 
 ON_FULL = ("error", "evict")
@@ -258,19 +258,15 @@ class TieredCache(Cache):
     def tiered_layers(self) -> list[TieredLayer]:
         return [layer for layer in self.layers if isinstance(layer, TieredLayer)]
 
-    def sparse_stats(self):  # noqa: ANN201 - kvtier.diagnostics.SparseStats
-        """Attention work of all tiered layers so far (see :class:`kvtier.diagnostics.SparseStats`)."""
-        from ..diagnostics import SparseStats
-
+    def sparse_stats(self) -> SparseStats:
+        """Attention work of all tiered layers so far (see :class:`kvtier.stats.SparseStats`)."""
         total = SparseStats()
         for layer in self.tiered_layers:
             total.add(layer.sparse_stats)
         return total
 
-    def offload_stats(self):  # noqa: ANN201 - kvtier.diagnostics.OffloadStats
+    def offload_stats(self) -> OffloadStats:
         """Block traffic of the offloading layers so far: hit rate, blocks and bytes moved, stall time."""
-        from ..diagnostics import OffloadStats
-
         total = OffloadStats()
         for layer in self.tiered_layers:
             if getattr(layer.cold, "is_offloaded", False):

@@ -23,8 +23,8 @@ import torch
 
 from ..attention.mask import KVMask
 from ..attention.partials import Partial, exact_partial, from_rows, merge, tier_partial, to_rows
-from ..attention.tiered import _hot_allowed
 from ..cache.layer import TieredLayer
+from ..indexing import hot_rows_allowed
 from ..policy import OffloadPolicy
 from .sketch import block_lse
 from .tier import OffloadTier
@@ -111,7 +111,7 @@ def _attend(layer: TieredLayer, query: torch.Tensor, q_pos: torch.Tensor, paddin
     if layer.warm is not None and layer.warm.nblocks:
         parts.append(tier_partial(rows, layer.warm.fields, layer.warm.codec, D))
     hk, hv = layer.hot.view()
-    parts.append(exact_partial(rows, hk, hv, _hot_allowed(layer, q_pos, padding, Hq // H)))
+    parts.append(exact_partial(rows, hk, hv, hot_rows_allowed(layer, q_pos, padding, Hq // H)))
     if tier.nblocks:
         parts += _cold_partials(tier, rows, q_pos.repeat(Hq // H), parts, layer.evicted)
     return from_rows(merge(parts), Hq, q)

@@ -22,9 +22,10 @@ from concurrent.futures import Future
 
 import torch
 
-from ..attention.sparse import union_blocks
-from ..diagnostics import OffloadStats
+from ..cache.codecs import value_group
+from ..indexing import union_blocks
 from ..policy import TierPolicy
+from ..stats import OffloadStats
 from .prefetch import Offloader
 from .records import RecordLayout
 from .sketch import KeySketch
@@ -409,8 +410,6 @@ def planned_bytes(policy: TierPolicy, B: int, H: int, n: int, D: int, dtype: tor
     Resident: sketches, validity ``B*n*T``, block table ``8*B*H*n``, prediction ``B*H*n`` and, on
     disk, an int32 checksum per store slot; offloaded: the store's slots.
     """
-    from ..cache.layer import value_group
-
     op = policy.offload
     assert op is not None
     T = policy.block_tokens

@@ -1,0 +1,120 @@
+"""Work and memory counters: leaf module (imports torch only; nothing from kvtier).
+
+Owns :func:`tensor_bytes` (bytes of the distinct storages behind tensors), :class:`SparseStats`
+(attention work of a layer) and :class:`OffloadStats` (block traffic of offloading layers). The
+cache, attention, offload and diagnostics modules all import their counters from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[(str(t.device), s.data_ptr())] = s.nbytes()
+    return sum(seen.values())
+
+
+@dataclass
+class SparseStats:
+    """Attention work of a layer. A (query row, key token) *pair* costs ``2 D`` FLOPs for its
+    score and ``2 D`` for its value (one unit each); a block bound costs about one unit.
+    ``pairs`` counts the pairs a dense pass evaluates (every real token, every row); ``scored`` and
+    ``valued`` what was actually evaluated; ``bytes_*`` the tier bytes a dense pass reads and
+    those read (sinks and hot tokens are counted as always attended). These count the calls that
+    selected (``calls``); calls longer than ``SparsePolicy.max_query_tokens`` (prefill) attend
+    densely and are counted apart: ``dense_calls`` and their ``dense_pairs``."""
+
+    pairs: int = 0
+    scored: int = 0
+    valued: int = 0
+    bounds: int = 0
+    bytes_total: int = 0
+    bytes_read: int = 0
+    calls: int = 0
+    dense_calls: int = 0
+    dense_pairs: int = 0
+
+    def add(self, other: SparseStats) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def dense(self, pairs: int, nbytes: int = 0) -> None:
+        """Account work done without selection (sinks, hot)."""
+        self.pairs += pairs
+        self.scored += pairs
+        self.valued += pairs
+        self.bytes_total += nbytes
+        self.bytes_read += nbytes
+
+    @property
+    def skipped(self) -> float:
+        """Fraction of attention work (score + value FLOPs, bounds included) skipped."""
+        return 1 - (self.scored + self.valued + self.bounds) / (2 * self.pairs) if self.pairs else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "pairs": self.pairs,
+            "scored": self.scored,
+            "valued": self.valued,
+            "bounds": self.bounds,
+            "skipped_fraction": self.skipped,
+            "value_skipped_fraction": 1 - self.valued / self.pairs if self.pairs else 0.0,
+            "bytes_total": self.bytes_total,
+            "bytes_read": self.bytes_read,
+            "bytes_skipped_fraction": 1 - self.bytes_read / self.bytes_total if self.bytes_total else 0.0,
+            "calls": self.calls,
+            "dense_calls": self.dense_calls,
+            "dense_pairs": self.dense_pairs,
+        }
+
+
+@dataclass
+class OffloadStats:
+    """Block traffic of offloading layers (see :mod:`kvtier.offload`).
+
+    A *block* here is one record: one cold block of one (row, KV head). ``needed`` counts the
+    distinct records an attention call (query chunk) read; each was either staged by the
+    prefetcher (``hits``) or read synchronously (``misses``), so ``hits + misses == needed``.
+    ``prefetched`` records were read ahead, ``unused`` of them were not needed. ``bytes_moved``
+    counts every record read from the store (prefetched or missed). ``stall_s`` is the time the
+    attention waited for data (a prefetch still in flight, or the synchronous reads);
+    ``fetch_s`` the worker's time reading ahead.
+    """
+
+    calls: int = 0
+    needed: int = 0
+    hits: int = 0
+    misses: int = 0
+    prefetched: int = 0
+    unused: int = 0
+    bytes_moved: int = 0
+    stall_s: float = 0.0
+    fetch_s: float = 0.0
+
+    def add(self, other: OffloadStats) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    @property
+    def hit_rate(self) -> float:
+        """``hits / needed`` (1.0 when nothing was needed)."""
+        return self.hits / self.needed if self.needed else 1.0
+
+    @property
+    def blocks_moved(self) -> int:
+        """Records read from the store: prefetched plus missed."""
+        return self.prefetched + self.misses
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["hit_rate"] = self.hit_rate
+        d["blocks_moved"] = self.blocks_moved
+        return d
