@@ -1,22 +1,48 @@
 """Building the C++ CPU kernels: compiled once per machine on first use (torch caches the build),
-and a check that turns any build failure into a warning and a fallback to the torch path."""
+and a check that turns any build failure into a warning and a fallback to the torch path.
+
+Owns reading the kernel sources in ``kernels/csrc/`` (shipped as package data) and the flags they
+are built with; imports only the standard library and, when a kernel is built, ``torch``. A source
+is handed to ``torch.utils.cpp_extension.load_inline`` as text, with every ``#include "x.h"`` of a
+``csrc/`` file replaced by that file's text: the compiled text then depends only on the sources,
+not on where the package is installed, so every checkout and install shares one cached build.
+"""
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable
+from importlib import resources
 from typing import Any
 
 #: Flags every kernel is built with: vectorized loops for this machine.
 BASE_CFLAGS = ("-O3", "-march=native", "-fopenmp-simd")
 
+#: A line including a file of ``csrc/`` (``#include "common.h"``); system headers use ``<...>``.
+_LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.MULTILINE)
 
-def load(name: str, source: str, functions: list[str], cflags: tuple[str, ...] = ()) -> Any:
-    """``torch.utils.cpp_extension.load_inline`` of one C++ source (needs a compiler and ninja)."""
+
+def source(filename: str) -> str:
+    """The C++ text of ``csrc/<filename>`` as compiled, its ``#include "..."`` lines replaced by those files."""
+    text = (resources.files(__package__) / "csrc" / filename).read_text(encoding="utf-8")
+    return _LOCAL_INCLUDE.sub(lambda m: source(m.group(1)).rstrip("\n"), text)
+
+
+def load(name: str, filename: str, functions: list[str], cflags: tuple[str, ...] = ()) -> Any:
+    """Build (or load torch's cached build of) ``csrc/<filename>`` as module ``name`` exposing ``functions``.
+
+    Needs a C++ compiler and ninja; ``torch.utils.cpp_extension.load_inline`` generates the Python
+    bindings. ``name`` carries a version suffix, bumped whenever the compiled text changes.
+    """
     from torch.utils.cpp_extension import load_inline
 
     return load_inline(
-        name=name, cpp_sources=[source], functions=functions, extra_cflags=[*BASE_CFLAGS, *cflags], verbose=False
+        name=name,
+        cpp_sources=[source(filename)],
+        functions=functions,
+        extra_cflags=[*BASE_CFLAGS, *cflags],
+        verbose=False,
     )
 
 

@@ -1,0 +1,702 @@
+// layer_attention: one decode step over a whole tiered layer (exact segments and packed tiers,
+// merged by log-sum-exp), built by kvtier/kernels/fused_cpu.py (which documents the arguments and
+// the per-tier path it replaces and is tested against).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <vector>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "common.h"
+
+namespace {
+
+constexpr float NEG = -std::numeric_limits<float>::infinity();
+
+// exp(x) for x <= 0 (Cephes polynomial, ~1 ulp), 0 below -87; written so loops vectorize.
+inline float fexp(float x) {
+  const float xc = std::max(x, -87.0f);
+  const float k = std::floor(xc * 1.44269504088896341f + 0.5f);
+  const float r = xc - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500E-4f;
+  p = p * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  p = p * r * r + r + 1.0f;
+  const float s = std::bit_cast<float>(((int32_t)k + 127) << 23);
+  return x < -87.0f ? 0.0f : p * s;
+}
+
+// --- fixed-shape code paths: (bits, D) known at compile time, so every loop unrolls into SIMD ---
+constexpr int width_at(int bits, int k) {
+  constexpr int W[9][3] = {{0, 0, 0}, {1, 0, 0}, {2, 0, 0}, {2, 1, 0}, {4, 0, 0},
+                           {4, 1, 0}, {4, 2, 0}, {4, 2, 1}, {8, 0, 0}};
+  return W[bits][k];
+}
+constexpr int npad_of(int bits, int D) { return bits == 8 ? D : (D + 7) / 8 * 8; }
+// Positions the fast path unpacks a token into: codes of <= 3 bits are whole codes in channel
+// order (their 2- and 1-bit planes combined); wider ones one position per plane and channel.
+constexpr bool combined(int bits) { return bits <= 3; }
+constexpr int npos_of(int bits, int D) {
+  const int planes = (width_at(bits, 0) > 0) + (width_at(bits, 1) > 0) + (width_at(bits, 2) > 0);
+  return combined(bits) ? npad_of(bits, D) : npad_of(bits, D) * planes;
+}
+
+// Byte -> its 8 one-bit or 4 two-bit sub-values as floats, in channel order.
+struct Luts {
+  alignas(32) float b1[256][8];
+  alignas(16) float b2[256][4];
+  Luts() {
+    for (int b = 0; b < 256; ++b) {
+      for (int i = 0; i < 8; ++i) b1[b][i] = float((b >> i) & 1);
+      for (int i = 0; i < 4; ++i) b2[b][i] = float((b >> (2 * i)) & 3);
+    }
+  }
+};
+const Luts kLut;
+
+// True when the fast path lays a width-W plane out in channel order (a table lookup per byte);
+// wider planes stay in term order (each term is one shift of every byte: a SIMD loop).
+constexpr bool lut_plane(int W) { return W == 1 || W == 2; }
+
+template <int W, int NPAD>
+inline void plane(const uint8_t* __restrict code, float* __restrict u) {
+  constexpr int per = 8 / W, size = NPAD / per, mask = (1 << W) - 1;
+  if constexpr (W == 1) {
+    for (int j = 0; j < size; ++j) std::memcpy(u + 8 * j, kLut.b1[code[j]], 8 * sizeof(float));
+  } else if constexpr (W == 2) {
+    for (int j = 0; j < size; ++j) std::memcpy(u + 4 * j, kLut.b2[code[j]], 4 * sizeof(float));
+  } else {
+    for (int i = 0; i < per; ++i) {
+#pragma omp simd
+      for (int j = 0; j < size; ++j) u[i * size + j] = float((code[j] >> (W * i)) & mask);
+    }
+  }
+}
+
+// Codes of one token in term order (kvtier.quant.pack_bits layout) as floats.
+template <int BITS, int D>
+inline void unpack_t(const uint8_t* __restrict code, float* __restrict u) {
+  constexpr int NPAD = npad_of(BITS, D), W0 = width_at(BITS, 0), W1 = width_at(BITS, 1), W2 = width_at(BITS, 2);
+  if constexpr (BITS == 3) {  // whole codes: 2-bit plane + 4 x 1-bit plane, channel order
+    alignas(64) float hi[NPAD];
+    plane<2, NPAD>(code, u);
+    plane<1, NPAD>(code + NPAD / 4, hi);
+#pragma omp simd
+    for (int c = 0; c < NPAD; ++c) u[c] += 4.f * hi[c];
+    return;
+  }
+  plane<W0, NPAD>(code, u);
+  if constexpr (W1 > 0) plane<W1, NPAD>(code + NPAD / (8 / W0), u + NPAD);
+  if constexpr (W2 > 0) plane<W2, NPAD>(code + NPAD / (8 / W0) + NPAD / (8 / W1), u + 2 * NPAD);
+}
+
+// Lane-wise partial sums, then a fixed tree over the lanes: SIMD without -ffast-math (a plain
+// reduction ends in a serial chain of scalar adds, which dominated the score loop).
+template <int L>
+inline float hsum(float* p) {
+  if constexpr (L == 1) {
+    return p[0];
+  } else {
+#pragma omp simd
+    for (int l = 0; l < L / 2; ++l) p[l] += p[l + L / 2];
+    return hsum<L / 2>(p);
+  }
+}
+
+template <int N>
+inline float dot_t(const float* __restrict a, const float* __restrict b) {
+  constexpr int L = N % 16 == 0 ? 16 : (N % 8 == 0 ? 8 : 1);
+  alignas(64) float p[L];
+#pragma omp simd
+  for (int l = 0; l < L; ++l) p[l] = a[l] * b[l];
+  for (int k = 1; k < N / L; ++k) {
+#pragma omp simd
+    for (int l = 0; l < L; ++l) p[l] += a[k * L + l] * b[k * L + l];
+  }
+  return hsum<L>(p);
+}
+
+// Runtime-length dot with the same lane tree (tails summed in order).
+inline float dot_n(const float* __restrict a, const float* __restrict b, int64_t n) {
+  alignas(64) float p[16] = {0.f};
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+#pragma omp simd
+    for (int l = 0; l < 16; ++l) p[l] += a[k + l] * b[k + l];
+  }
+  float acc = hsum<16>(p);
+  for (; k < n; ++k) acc += a[k] * b[k];
+  return acc;
+}
+
+// s[r * N + tt] = bias[r] + qs[r] . codes(tt) for the T tokens of one block (NEG where invalid).
+using ScoreFn = void (*)(const uint8_t*, const bool*, int64_t, int64_t, int64_t, const float*, const float*, float*,
+                         int64_t);
+// Unpack one token's codes, or acc += p * u over all positions.
+using UnpackFn = void (*)(const uint8_t*, float*);
+using AxpyFn = void (*)(float, const float*, float*);
+
+template <int BITS, int D>
+void scores_t(const uint8_t* codes, const bool* okb, int64_t T, int64_t P, int64_t R, const float* qs,
+              const float* bias, float* s, int64_t N) {
+  constexpr int NPOS = npos_of(BITS, D);
+  alignas(64) float u[NPOS];
+  for (int64_t tt = 0; tt < T; ++tt) {
+    if (!okb[tt]) {
+      for (int64_t r = 0; r < R; ++r) s[r * N + tt] = NEG;
+      continue;
+    }
+    unpack_t<BITS, D>(codes + tt * P, u);
+    for (int64_t r = 0; r < R; ++r) s[r * N + tt] = bias[r] + dot_t<NPOS>(qs + r * NPOS, u);
+  }
+}
+
+template <int BITS, int D>
+void unpack_fn(const uint8_t* code, float* u) { unpack_t<BITS, D>(code, u); }
+
+template <int NPOS>
+void axpy_t(float a, const float* __restrict x, float* __restrict y) {
+#pragma omp simd
+  for (int j = 0; j < NPOS; ++j) y[j] += a * x[j];
+}
+
+struct Fast {
+  ScoreFn scores = nullptr;
+  UnpackFn unpack = nullptr;
+  AxpyFn axpy = nullptr;
+};
+
+template <int D>
+Fast fast_for_bits(int64_t bits) {
+  switch (bits) {
+    case 1: return {scores_t<1, D>, unpack_fn<1, D>, axpy_t<npos_of(1, D)>};
+    case 2: return {scores_t<2, D>, unpack_fn<2, D>, axpy_t<npos_of(2, D)>};
+    case 3: return {scores_t<3, D>, unpack_fn<3, D>, axpy_t<npos_of(3, D)>};
+    case 4: return {scores_t<4, D>, unpack_fn<4, D>, axpy_t<npos_of(4, D)>};
+    case 6: return {scores_t<6, D>, unpack_fn<6, D>, axpy_t<npos_of(6, D)>};
+    case 8: return {scores_t<8, D>, unpack_fn<8, D>, axpy_t<npos_of(8, D)>};
+    default: return {};
+  }
+}
+
+// The compiled fixed-shape path for (bits, D), or empty (the runtime loops run instead).
+Fast fast_for(int64_t bits, int64_t D) {
+  if (D == 64) return fast_for_bits<64>(bits);
+  if (D == 128) return fast_for_bits<128>(bits);
+  return {};
+}
+
+// One row of D exact values as floats.
+inline void load_row(const void* p, int64_t kind, int64_t D, float* out) {
+  if (kind == 0) {
+    std::memcpy(out, p, D * sizeof(float));
+  } else if (kind == 1) {  // float16
+    const uint16_t* h = static_cast<const uint16_t*>(p);
+    int64_t c = 0;
+#if defined(__F16C__)
+    for (; c + 8 <= D; c += 8)
+      _mm256_storeu_ps(out + c, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + c))));
+#endif
+    for (; c < D; ++c) out[c] = static_cast<float>(c10::Half(h[c], c10::Half::from_bits()));
+  } else {  // bfloat16
+    const uint16_t* h = static_cast<const uint16_t*>(p);
+#pragma omp simd
+    for (int64_t c = 0; c < D; ++c) {
+      const uint32_t b = uint32_t(h[c]) << 16;
+      float f;
+      std::memcpy(&f, &b, 4);
+      out[c] = f;
+    }
+  }
+}
+
+struct Exact {
+  const uint8_t* k;
+  const uint8_t* v;
+  int64_t kind, esize, sB, sH, sL, L;  // strides in elements
+  const bool* mask;
+  int64_t mB, mR, mL;  // mask strides (0 = broadcast)
+};
+
+// Affine metadata as stored (fp16 or fp32): k-bit x = s * (code - z); sign x = 2 s code + mean - s.
+struct Meta {
+  const void *s, *z;
+  int64_t kind;
+  bool sign;
+  inline float f(const void* p, int64_t i) const {
+    if (kind == 0) return static_cast<const float*>(p)[i];
+#if defined(__F16C__)
+    return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
+#else
+    return static_cast<float>(c10::Half(static_cast<const uint16_t*>(p)[i], c10::Half::from_bits()));
+#endif
+  }
+  // D consecutive values of a and b from element i
+  inline void ab(int64_t i, int64_t D, float* a, float* b, float* tmp) const {
+    const int64_t esz = kind == 0 ? 4 : 2;
+    load_row(static_cast<const uint8_t*>(s) + i * esz, kind, D, a);
+    load_row(static_cast<const uint8_t*>(z) + i * esz, kind, D, tmp);
+    if (sign) {
+#pragma omp simd
+      for (int64_t c = 0; c < D; ++c) { b[c] = tmp[c] - a[c]; a[c] *= 2.f; }
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < D; ++c) b[c] = -a[c] * tmp[c];
+    }
+  }
+  inline float a(int64_t i) const { return sign ? 2.f * f(s, i) : f(s, i); }
+  inline float b(int64_t i) const { return sign ? f(z, i) - f(s, i) : -f(s, i) * f(z, i); }
+};
+
+struct Tier {
+  const uint8_t *kc, *vc;
+  Meta km, vm;
+  const float* rot;
+  const bool* ok;
+  int64_t n, T, P, NG, G, bits, start, npos;
+  std::vector<Term> terms;
+  Fast fast;
+  // per position of the unpacked codes (the order the path unpacks in): channel (>= D: padding),
+  // plane weight, value group
+  std::vector<int64_t> pchan, pgroup;
+  std::vector<float> pw;
+  bool identity = false;  // pchan[k] == k, pw[k] == 1
+};
+
+// Position maps of a tier: term order (runtime path), or with lut_plane planes in channel order.
+void position_maps(Tier& t, int64_t D) {
+  t.pchan.clear();
+  t.pw.clear();
+  if (t.fast.scores && combined((int)t.bits)) {  // whole codes in channel order
+    const int64_t npad = (D + 7) / 8 * 8;
+    for (int64_t c = 0; c < npad; ++c) { t.pchan.push_back(c); t.pw.push_back(1.f); }
+    t.pgroup.resize(npad);
+    for (int64_t c = 0; c < npad; ++c) t.pgroup[c] = c < D ? c / t.G : 0;
+    return;
+  }
+  int64_t prev_start = -1, plane_pos = 0;
+  for (const auto& term : t.terms) {
+    const int64_t w = 8 / term.per;
+    if (term.start != prev_start) { prev_start = term.start; plane_pos = (int64_t)t.pchan.size(); }
+    const bool lut = t.fast.scores && lut_plane((int)w);
+    for (int64_t j = 0; j < term.nbytes; ++j) {
+      const int64_t c = j * term.per + term.i;
+      if (lut) {  // channel order inside the plane: position plane_pos + c
+        const int64_t pos = plane_pos + c;
+        if ((int64_t)t.pchan.size() <= pos) { t.pchan.resize(pos + 1, D); t.pw.resize(pos + 1, 0.f); }
+        t.pchan[pos] = c;
+        t.pw[pos] = term.weight;
+      } else {
+        t.pchan.push_back(c);
+        t.pw.push_back(term.weight);
+      }
+    }
+  }
+  t.pgroup.resize(t.pchan.size());
+  for (size_t k = 0; k < t.pchan.size(); ++k) t.pgroup[k] = t.pchan[k] < D ? t.pchan[k] / t.G : 0;
+}
+
+int64_t kind_of(const torch::Tensor& t) {
+  if (t.scalar_type() == torch::kFloat32) return 0;
+  if (t.scalar_type() == torch::kFloat16) return 1;
+  TORCH_CHECK(t.scalar_type() == torch::kBFloat16, "exact segments: float32, float16 or bfloat16");
+  return 2;
+}
+
+}  // namespace
+
+// rows [B,H,R,D] fp32 (scaled). exact: 3 tensors per segment: k, v [B,H,L,D] (last axis contiguous),
+// mask bool [Bm,Rm,L] (Bm in {1,B}, Rm in {1,R}). tiers: 8 tensors per tier: k_codes [B,H,n,T,P],
+// k_scale, k_zero (or k_mean) [B,H,n,1,D], v_codes, v_scale, v_zero (or v_mean) [B,H,n,T,NG],
+// valid [B,n,T], rot ([D,D] or empty); tier_info: (bits, start, sign) per tier.
+// Returns out [B,H,R,D] (normalized, merged), lse [B,H,R], counts int64 [B*H, 1 + ntiers, 3].
+std::vector<torch::Tensor> layer_attention(
+    torch::Tensor rows, std::vector<torch::Tensor> exact, std::vector<torch::Tensor> tiers,
+    std::vector<int64_t> tier_info, int64_t sel_method, double sel_level, torch::Tensor forced_from) {
+  TORCH_CHECK(rows.dtype() == torch::kFloat32 && rows.is_contiguous(), "rows: contiguous float32");
+  TORCH_CHECK(exact.size() % 3 == 0 && tiers.size() % 8 == 0 && tier_info.size() * 8 == tiers.size() * 3,
+              "exact: 3 tensors per segment, tiers: 8 per tier, tier_info: 3 per tier");
+  const int64_t B = rows.size(0), H = rows.size(1), R = rows.size(2), D = rows.size(3);
+  const int64_t NE = exact.size() / 3, NT = tiers.size() / 8;
+
+  std::vector<Exact> ex;
+  for (int64_t s = 0; s < NE; ++s) {
+    const auto &k = exact[3 * s], &v = exact[3 * s + 1], &m = exact[3 * s + 2];
+    TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.size(3) == D && k.stride(3) == 1 &&
+                    v.strides() == k.strides() && k.scalar_type() == v.scalar_type(),
+                "exact k, v: [B,H,L,D] with the same strides and a contiguous last axis");
+    TORCH_CHECK(m.dtype() == torch::kBool && m.dim() == 3 && m.size(2) == k.size(2), "exact mask: bool [Bm,Rm,L]");
+    ex.push_back({static_cast<const uint8_t*>(k.data_ptr()), static_cast<const uint8_t*>(v.data_ptr()), kind_of(k),
+                  (int64_t)k.element_size(), k.size(0) == 1 ? 0 : k.stride(0), k.stride(1), k.stride(2), k.size(2),
+                  m.data_ptr<bool>(), m.size(0) == 1 ? 0 : m.stride(0), m.size(1) == 1 ? 0 : m.stride(1),
+                  m.stride(2)});
+  }
+  std::vector<Tier> tv;
+  for (int64_t s = 0; s < NT; ++s) {
+    const torch::Tensor* f = &tiers[8 * s];
+    for (int i = 0; i < 7; ++i) TORCH_CHECK(f[i].is_contiguous(), "tier tensors must be contiguous");
+    Tier t;
+    const bool sign = tier_info[3 * s + 2] != 0;
+    for (int i : {1, 2, 4, 5})
+      TORCH_CHECK(f[i].scalar_type() == torch::kFloat16 || f[i].scalar_type() == torch::kFloat32,
+                  "tier metadata: float16 or float32");
+    TORCH_CHECK(f[1].scalar_type() == f[2].scalar_type() && f[4].scalar_type() == f[5].scalar_type(),
+                "tier metadata: scale and zero of one dtype");
+    t.kc = f[0].data_ptr<uint8_t>();
+    t.km = {f[1].data_ptr(), f[2].data_ptr(), f[1].scalar_type() == torch::kFloat32 ? 0 : 1, sign};
+    t.vc = f[3].data_ptr<uint8_t>();
+    t.vm = {f[4].data_ptr(), f[5].data_ptr(), f[4].scalar_type() == torch::kFloat32 ? 0 : 1, sign};
+    t.ok = f[6].data_ptr<bool>();
+    t.rot = f[7].numel() ? f[7].data_ptr<float>() : nullptr;
+    t.n = f[0].size(2);
+    t.T = f[0].size(3);
+    t.P = f[0].size(4);
+    t.NG = f[4].size(4);
+    TORCH_CHECK(t.NG >= 1 && t.NG <= 64 && D % t.NG == 0, "value groups per token: 1..64, dividing D");
+    t.G = D / t.NG;
+    t.bits = tier_info[3 * s];
+    t.start = tier_info[3 * s + 1];
+    t.terms = make_terms(t.bits, D, t.G);
+    t.npos = 0;
+    for (const auto& term : t.terms) t.npos += term.nbytes;
+    t.fast = fast_for(t.bits, D);
+    position_maps(t, D);
+    t.npos = (int64_t)t.pchan.size();
+    t.identity = true;
+    for (int64_t k = 0; k < t.npos; ++k) t.identity = t.identity && t.pchan[k] == k && t.pw[k] == 1.f;
+    tv.push_back(std::move(t));
+  }
+  const int64_t* ff = sel_method ? forced_from.data_ptr<int64_t>() : nullptr;
+  const float LN2 = std::log(2.0f);
+  const float* q = rows.data_ptr<float>();
+  auto out = torch::zeros({B, H, R, D}, rows.options());
+  auto lse = torch::empty({B, H, R}, rows.options());
+  auto counts = torch::zeros({B * H, 1 + NT, 3}, torch::kInt64);
+  int64_t* cnt = counts.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  float* ls = lse.data_ptr<float>();
+  int64_t maxN = 0, maxP = 0, maxT = 0, maxpos = 0, maxNG = 1, LE = 0;
+  for (const auto& t : tv) {
+    maxN = std::max(maxN, t.n * t.T);
+    maxP = std::max(maxP, t.P);
+    maxT = std::max(maxT, t.T);
+    maxpos = std::max(maxpos, t.npos);
+    maxNG = std::max(maxNG, t.NG);
+  }
+  for (const auto& e : ex) LE += e.L;
+
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> se(R * std::max<int64_t>(LE, 1)), kf(D), eacc(R * D), emax(R), esum(R);
+    std::vector<float> sc(R * std::max<int64_t>(maxN, 1)), e(std::max<int64_t>(maxN, 1)), qs(R * maxpos), qr(R * D);
+    std::vector<float> ka(D), kb(D), bias(R), uf(maxT), u(maxpos), vacc(R * maxpos), zacc(R * maxNG), tacc(R * D);
+    std::vector<float> tlse(R * NT), tkept(R * NT), tout(NT * R * D), tmp;
+    std::vector<int> bk(std::max<int64_t>(maxN, 1));
+    std::vector<uint8_t> ct(maxP * maxT), anyrow(std::max<int64_t>(maxN, 1));
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const float* qb = q + bh * R * D;
+      int64_t* cn = cnt + bh * (1 + NT) * 3;
+      // 1. exact segments: scores, softmax, values
+      int64_t col = 0, epairs = 0;
+      for (const auto& x : ex) {
+        for (int64_t l = 0; l < x.L; ++l) {
+          load_row(x.k + (b * x.sB + h * x.sH + l * x.sL) * x.esize, x.kind, D, kf.data());
+          for (int64_t r = 0; r < R; ++r) {
+            const bool allowed = x.mask[b * x.mB + r * x.mR + l * x.mL];
+            float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t c = 0; c < D; ++c) acc += qb[r * D + c] * kf[c];
+            se[r * LE + col + l] = allowed ? acc : NEG;
+            epairs += allowed;
+          }
+        }
+        col += x.L;
+      }
+      cn[0] = cn[1] = epairs;
+      std::fill(eacc.begin(), eacc.end(), 0.f);
+      for (int64_t r = 0; r < R; ++r) {
+        float* s = se.data() + r * LE;
+        float m = NEG;
+        for (int64_t l = 0; l < LE; ++l) m = std::max(m, s[l]);
+        emax[r] = m;
+        float sum = 0.f;
+        if (m != NEG) {
+#pragma omp simd reduction(+ : sum)
+          for (int64_t l = 0; l < LE; ++l) {
+            s[l] = s[l] == NEG ? 0.f : fexp(s[l] - m);
+            sum += s[l];
+          }
+        }
+        esum[r] = sum;
+      }
+      col = 0;
+      for (const auto& x : ex) {
+        for (int64_t l = 0; l < x.L; ++l) {
+          bool loaded = false;
+          for (int64_t r = 0; r < R; ++r) {
+            const float p = se[r * LE + col + l];
+            if (emax[r] == NEG || p == 0.f) continue;
+            if (!loaded) {
+              load_row(x.v + (b * x.sB + h * x.sH + l * x.sL) * x.esize, x.kind, D, kf.data());
+              loaded = true;
+            }
+            float* acc = eacc.data() + r * D;
+#pragma omp simd
+            for (int64_t c = 0; c < D; ++c) acc[c] += p * kf[c];
+          }
+          cn[2] += loaded;
+        }
+        col += x.L;
+      }
+      // 2-4. packed tiers
+      for (int64_t ti = 0; ti < NT; ++ti) {
+        const Tier& t = tv[ti];
+        const int64_t n = t.n, T = t.T, P = t.P, N = n * T, npos = t.npos;
+        int64_t* ctn = cn + (1 + ti) * 3;
+        const float* qt = qb;
+        if (t.rot) {  // scores and values in the rotated basis: q @ rot
+          std::fill(qr.begin(), qr.end(), 0.f);
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t j = 0; j < D; ++j) {  // qr[r] += q[r, j] * rot[j, :]
+              const float qj = qb[r * D + j];
+              const float* rj = t.rot + j * D;
+              float* dst = qr.data() + r * D;
+#pragma omp simd
+              for (int64_t c = 0; c < D; ++c) dst[c] += qj * rj[c];
+            }
+          qt = qr.data();
+        }
+        for (int64_t blk = 0; blk < n; ++blk) {
+          t.km.ab((bh * n + blk) * D, D, ka.data(), kb.data(), kf.data());
+          const float* a = ka.data();
+          const float* bo = kb.data();
+          for (int64_t r = 0; r < R; ++r) {
+            bias[r] = dot_n(qt + r * D, bo, D);
+            float* w = qs.data() + r * npos;
+            if (t.identity) {  // positions are channels (whole codes): a SIMD product
+              const float* qr_ = qt + r * D;
+#pragma omp simd
+              for (int64_t c = 0; c < D; ++c) w[c] = qr_[c] * a[c];
+              for (int64_t k = D; k < npos; ++k) w[k] = 0.f;
+              continue;
+            }
+            for (int64_t k = 0; k < npos; ++k) {
+              const int64_t c = t.pchan[k];
+              w[k] = c < D ? qt[r * D + c] * a[c] * t.pw[k] : 0.f;
+            }
+          }
+          const uint8_t* codes = t.kc + ((bh * n + blk) * T) * P;
+          const bool* okb = t.ok + (b * n + blk) * T;
+          if (t.fast.scores) {
+            t.fast.scores(codes, okb, T, P, R, qs.data(), bias.data(), sc.data() + blk * T, N);
+            continue;
+          }
+          // runtime shapes: the block's key bytes channel-major, ct[p * T + tt], loops over tokens
+          for (int64_t tt = 0; tt < T; ++tt)
+            for (int64_t p = 0; p < P; ++p) ct[p * T + tt] = codes[tt * P + p];
+          for (int64_t r = 0; r < R; ++r) {
+            float* s = sc.data() + r * N + blk * T;
+            const float bi = bias[r];
+#pragma omp simd
+            for (int64_t tt = 0; tt < T; ++tt) s[tt] = bi;
+          }
+          int64_t pos = 0;
+          for (const auto& term : t.terms) {
+            const int sh = (int)term.shift, mk = (int)term.mask;
+            for (int64_t j = 0; j < term.nbytes; ++j, ++pos) {
+              const uint8_t* cb = ct.data() + (term.start + j) * T;
+#pragma omp simd
+              for (int64_t tt = 0; tt < T; ++tt) uf[tt] = float((cb[tt] >> sh) & mk);
+              for (int64_t r = 0; r < R; ++r) {
+                const float w = qs[r * npos + pos];
+                float* s = sc.data() + r * N + blk * T;
+#pragma omp simd
+                for (int64_t tt = 0; tt < T; ++tt) s[tt] += w * uf[tt];
+              }
+            }
+          }
+          for (int64_t r = 0; r < R; ++r) {
+            float* s = sc.data() + r * N + blk * T;
+            for (int64_t tt = 0; tt < T; ++tt) if (!okb[tt]) s[tt] = NEG;
+          }
+        }
+        // softmax per row; selection
+        std::fill(anyrow.begin(), anyrow.begin() + N, 0);
+        for (int64_t r = 0; r < R; ++r) {
+          float* row = sc.data() + r * N;
+          float m = NEG;
+          int64_t nvalid = 0;
+#pragma omp simd reduction(max : m) reduction(+ : nvalid)
+          for (int64_t x = 0; x < N; ++x) {
+            m = std::max(m, row[x]);
+            nvalid += row[x] != NEG;
+          }
+          ctn[0] += nvalid;
+          if (m == NEG) {
+            tlse[ti * R + r] = NEG;
+            tkept[ti * R + r] = 0.f;
+            std::fill(row, row + N, 0.f);
+            continue;
+          }
+          float* ee = e.data();
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t x = 0; x < N; ++x) {
+            ee[x] = fexp(row[x] - m);  // masked (-inf) -> 0
+            sum += ee[x];
+          }
+          tlse[ti * R + r] = m + std::log(sum);
+          if (!sel_method) {
+            tkept[ti * R + r] = sum;
+            std::copy(ee, ee + N, row);
+            for (int64_t x = 0; x < N; ++x) anyrow[x] |= ee[x] > 0.f;
+            ctn[1] += nvalid;
+            continue;
+          }
+          float thr = NEG;     // quantile: keep scores >= thr
+          int64_t kstar = 64;  // mass: keep buckets <= kstar
+          if (sel_method == 2) {
+            thr = quantile_threshold(row, N, nvalid, sel_level, tmp);
+          } else {
+#pragma omp simd
+            for (int64_t x = 0; x < N; ++x) bk[x] = (int)std::min(63.f, std::floor((m - row[x]) / LN2));  // -inf: 63
+            // four interleaved histograms: no store-to-load chain on a popular bucket
+            float hist[4][64] = {{0.f}};
+            int64_t x4 = 0;
+            for (; x4 + 4 <= N; x4 += 4)
+              for (int k = 0; k < 4; ++k) hist[k][bk[x4 + k]] += ee[x4 + k];
+            for (; x4 < N; ++x4) hist[0][bk[x4]] += ee[x4];
+            float bucket[64];
+            for (int k = 0; k < 64; ++k) bucket[k] = (hist[0][k] + hist[1][k]) + (hist[2][k] + hist[3][k]);
+            // drop at most (1 - level) of the row's mass: this tier's plus the exact tokens'
+            const float rest = emax[r] == NEG ? 0.f : std::exp(emax[r] + std::log(esum[r]) - m);
+            kstar = mass_cut(bucket, sum, rest, sel_level);
+          }
+          const int64_t forced = ff[r] - t.start;  // token slots >= this are in the local window
+          float kept = 0.f;
+          int64_t nkept = 0;
+          const int ks = (int)kstar;
+          if (sel_method == 1) {
+#pragma omp simd reduction(+ : kept, nkept)
+            for (int64_t x = 0; x < N; ++x) {
+              const bool keep = row[x] != NEG && (bk[x] <= ks || x >= forced);
+              row[x] = keep ? ee[x] : 0.f;
+              kept += row[x];
+              nkept += keep;
+              anyrow[x] |= keep;
+            }
+          } else {
+            for (int64_t x = 0; x < N; ++x) {
+              const bool keep = row[x] != NEG && (row[x] >= thr || x >= forced);
+              row[x] = keep ? ee[x] : 0.f;
+              kept += row[x];
+              nkept += keep;
+              anyrow[x] |= keep;
+            }
+          }
+          ctn[1] += nkept;
+          tkept[ti * R + r] = kept;
+        }
+        // values of kept tokens
+        std::fill(vacc.begin(), vacc.end(), 0.f);
+        std::fill(zacc.begin(), zacc.end(), 0.f);
+        const int64_t NG = t.NG;
+        for (int64_t x = 0; x < N; ++x) {
+          if (!anyrow[x]) continue;
+          ++ctn[2];
+          const uint8_t* by = t.vc + (bh * N + x) * P;
+          if (t.fast.unpack) {
+            t.fast.unpack(by, u.data());
+          } else {
+            int64_t pos = 0;
+            for (const auto& term : t.terms) {
+              const int sh = (int)term.shift, mk = (int)term.mask;
+              const uint8_t* bb = by + term.start;
+              float* uu = u.data() + pos;
+#pragma omp simd
+              for (int64_t j = 0; j < term.nbytes; ++j) uu[j] = float((bb[j] >> sh) & mk);
+              pos += term.nbytes;
+            }
+          }
+          float a[64], bo[64];
+          for (int64_t g = 0; g < NG; ++g) {
+            a[g] = t.vm.a((bh * N + x) * NG + g);
+            bo[g] = t.vm.b((bh * N + x) * NG + g);
+          }
+          for (int64_t r = 0; r < R; ++r) {
+            const float p = sc[r * N + x];
+            if (p == 0.f) continue;
+            for (int64_t g = 0; g < NG; ++g) zacc[r * NG + g] += p * bo[g];
+            float* acc = vacc.data() + r * npos;
+            if (NG == 1) {
+              const float pa = p * a[0];
+              if (t.fast.axpy) {
+                t.fast.axpy(pa, u.data(), acc);
+                continue;
+              }
+#pragma omp simd
+              for (int64_t j = 0; j < npos; ++j) acc[j] += pa * u[j];
+              continue;
+            }
+            float pa[64];
+            for (int64_t g = 0; g < NG; ++g) pa[g] = p * a[g];
+            const int64_t* pg = t.pgroup.data();
+            for (int64_t k = 0; k < npos; ++k) acc[k] += pa[pg[k]] * u[k];
+          }
+        }
+        // the tier's normalized output in channel order (rotated back)
+        for (int64_t r = 0; r < R; ++r) {
+          float* dst = tacc.data() + r * D;
+          std::fill(dst, dst + D, 0.f);
+          const float kept = tkept[ti * R + r];
+          if (kept == 0.f) continue;
+          const float* acc = vacc.data() + r * npos;
+          for (int64_t k = 0; k < npos; ++k)
+            if (t.pchan[k] < D) dst[t.pchan[k]] += acc[k] * t.pw[k];
+          const float inv = 1.f / kept;
+          for (int64_t c = 0; c < D; ++c) dst[c] = (dst[c] + zacc[r * NG + c / t.G]) * inv;
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          float* dst = tout.data() + (ti * R + r) * D;
+          if (!t.rot) { std::copy(tacc.data() + r * D, tacc.data() + (r + 1) * D, dst); continue; }
+          for (int64_t c = 0; c < D; ++c) dst[c] = dot_n(tacc.data() + r * D, t.rot + c * D, D);  // out @ rot^T
+        }
+      }
+      // 5. log-sum-exp merge of the exact part and the tiers
+      for (int64_t r = 0; r < R; ++r) {
+        const float le = emax[r] == NEG ? NEG : emax[r] + std::log(esum[r]);
+        float M = le;
+        for (int64_t ti = 0; ti < NT; ++ti) M = std::max(M, tlse[ti * R + r]);
+        float* dst = o + (bh * R + r) * D;
+        if (M == NEG) { ls[bh * R + r] = NEG; continue; }
+        const float we = le == NEG ? 0.f : std::exp(le - M);
+        float total = we;
+        const float se_inv = we > 0.f ? we / esum[r] : 0.f;
+        for (int64_t c = 0; c < D; ++c) dst[c] = eacc[r * D + c] * se_inv;
+        for (int64_t ti = 0; ti < NT; ++ti) {
+          const float l = tlse[ti * R + r];
+          if (l == NEG || tkept[ti * R + r] == 0.f) continue;
+          const float w = std::exp(l - M);
+          total += w;
+          const float* src = tout.data() + (ti * R + r) * D;
+          for (int64_t c = 0; c < D; ++c) dst[c] += w * src[c];
+        }
+        const float inv = 1.f / total;
+        for (int64_t c = 0; c < D; ++c) dst[c] *= inv;
+        ls[bh * R + r] = M + std::log(total);
+      }
+    }
+  });
+  return {out, lse, counts};
+}

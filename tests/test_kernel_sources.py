@@ -1,0 +1,131 @@
+"""Where the C++ of the CPU kernels lives: in ``src/kvtier/kernels/csrc/`` (shipped as package data),
+never in Python strings; each kernel module builds from it, or warns and falls back to torch.
+
+The kernels' results are tested against their references in ``tests/test_attention.py`` and
+``tests/test_offload.py``; this file only checks the sources, the build and the packaging.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import importlib
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "src" / "kvtier"
+CSRC = PKG / "kernels" / "csrc"
+
+#: Kernel module -> the function its C++ exports.
+KERNELS = {"cpu": "packed_attention", "fused_cpu": "layer_attention", "sketch_cpu": "sketch_block_lse"}
+
+#: Text that only a C++ kernel body (or its bindings) would put in a Python file.
+CPP_MARKERS = ("#include <", "TORCH_LIBRARY", "PYBIND11", "TORCH_CHECK(", "torch::Tensor", "at::parallel_for")
+
+_LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"', re.MULTILINE)
+
+
+def _python_files() -> list[Path]:
+    return sorted(PKG.rglob("*.py"))
+
+
+def _is_load_inline(call: ast.Call) -> bool:
+    f = call.func
+    return (isinstance(f, ast.Name) and f.id == "load_inline") or (
+        isinstance(f, ast.Attribute) and f.attr == "load_inline"
+    )
+
+
+def _build_load_files(path: Path) -> list[str]:
+    """Second arguments of the ``build.load(...)`` calls in a kernel module: the csrc files it builds."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load":
+            if isinstance(node.func.value, ast.Name) and node.func.value.id == "build":
+                arg = node.args[1]
+                assert isinstance(arg, ast.Constant) and isinstance(arg.value, str), ast.dump(arg)
+                out.append(arg.value)
+    return out
+
+
+def test_no_python_file_holds_a_cpp_kernel():
+    bad = []
+    for path in _python_files():
+        text = path.read_text(encoding="utf-8")
+        rel = path.relative_to(PKG)
+        bad += [f"{rel}: {marker!r}" for marker in CPP_MARKERS if marker in text]
+        if "load_inline(" in text and rel != Path("kernels/build.py"):
+            bad.append(f"{rel}: load_inline( outside kernels/build.py")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Call) and _is_load_inline(node):
+                args = [*node.args, *(k.value for k in node.keywords)]
+                literal = [a for arg in args for a in ast.walk(arg) if isinstance(a, (ast.Constant, ast.JoinedStr))]
+                if any(isinstance(a, ast.JoinedStr) or isinstance(a.value, str) for a in literal):
+                    bad.append(f"{rel}:{node.lineno}: load_inline with a string literal")
+    assert not bad, "C++ belongs in src/kvtier/kernels/csrc/:\n" + "\n".join(bad)
+
+
+def test_every_csrc_file_is_used_and_every_kernel_file_exists():
+    built = sorted(f for name in KERNELS for f in _build_load_files(PKG / "kernels" / f"{name}.py"))
+    assert built == sorted(p.name for p in CSRC.glob("*.cpp"))
+    included = {m for p in CSRC.glob("*.cpp") for m in _LOCAL_INCLUDE.findall(p.read_text(encoding="utf-8"))}
+    assert included == {p.name for p in CSRC.glob("*.h")}
+
+
+@pytest.mark.parametrize("filename", sorted(p.name for p in CSRC.glob("*.cpp")))
+def test_the_compiled_text_has_its_csrc_includes_in_place(filename):
+    from kvtier.kernels import build
+
+    text = build.source(filename)
+    assert not _LOCAL_INCLUDE.search(text)
+    for header in _LOCAL_INCLUDE.findall((CSRC / filename).read_text(encoding="utf-8")):
+        body = (CSRC / header).read_text(encoding="utf-8").rstrip("\n")
+        assert text.count(body) == 1
+    # nothing in it depends on where the package is installed (one cached build for every install)
+    assert str(ROOT) not in text
+
+
+def _can_build() -> bool:
+    from torch.utils.cpp_extension import is_ninja_available
+
+    return shutil.which(os.environ.get("CXX", "c++")) is not None and is_ninja_available()
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_each_kernel_builds_or_falls_back_with_a_warning(name):
+    module = importlib.import_module(f"kvtier.kernels.{name}")
+    if _can_build():
+        assert module.available(), f"kvtier.kernels.{name} did not build although a compiler and ninja exist"
+        assert callable(getattr(module._module(), KERNELS[name]))
+    else:
+        module.available.cache_clear()
+        with pytest.warns(UserWarning, match="unavailable, using"):
+            assert module.available() is False
+
+
+def test_a_missing_source_warns_and_falls_back():
+    from kvtier.kernels import build
+
+    load = lambda: build.load("kvtier_missing_v1", "missing.cpp", ["missing"])
+    with pytest.warns(UserWarning, match="demo kernel unavailable, using the torch path: .*missing.cpp"):
+        assert build.check(load, "demo kernel", "the torch path") is False
+
+
+def test_cpp_sources_are_package_data():
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        tomllib = pytest.importorskip("tomli")
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    patterns = config["tool"]["setuptools"]["package-data"]["kvtier"]
+    assert "data/*.txt" in patterns
+    files = [p.relative_to(PKG).as_posix() for p in CSRC.rglob("*") if p.is_file()]
+    assert any(f.endswith(".h") for f in files) and any(f.endswith(".cpp") for f in files)
+    missing = [f for f in files if not any(fnmatch.fnmatchcase(f, pat) for pat in patterns)]
+    assert not missing, f"not shipped in a wheel: {missing}"
