@@ -3,10 +3,14 @@
 >>> import kvtier
 >>> with kvtier.enable(model):
 ...     out = model.generate(**inputs, cache=kvtier.TieredCache(model.config, "default"))
+
+The core (policies, planner, codecs, tiers, the block store, kernels, diagnostics) imports without
+transformers; the transformers adapter's names (``TieredCache``, ``TieredLayer``, ``enable``,
+``disable``, ``register``) come from :mod:`kvtier.hf` on first use and need ``kvtier[hf]``.
 """
 
-from .attention import disable, enable, register
-from .cache import TieredCache, TieredLayer
+from typing import Any
+
 from .diagnostics import MemoryReport, memory_report
 from .errors import CacheFullError, KVTierError
 from .offload import OffloadError
@@ -31,3 +35,11 @@ __all__ = [
     "memory_report",
     "register",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("TieredCache", "TieredLayer", "disable", "enable", "register"):
+        from .adapters import hf_attribute
+
+        return hf_attribute(__name__, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .cache.state import LayerState
 from .stats import OffloadStats, SparseStats, tensor_bytes
 
 __all__ = [
@@ -125,9 +126,7 @@ class MemoryReport:
 
 
 def _layer_dense_fp16(layer: Any) -> int:
-    from .cache.layer import TieredLayer
-
-    if isinstance(layer, TieredLayer):
+    if isinstance(layer, LayerState):
         if not layer.is_initialized:
             return 0
         return 2 * layer.batch * layer.kv_heads * layer.seen * layer.head_dim * 2
@@ -137,15 +136,13 @@ def _layer_dense_fp16(layer: Any) -> int:
 
 def memory_report(cache: Any) -> MemoryReport:
     """Measure a :class:`~kvtier.TieredCache` (or any transformers cache)."""
-    from .cache.layer import TieredLayer
-
     per_layer, all_tensors = [], []
     per_tier = dict.fromkeys(TIERS, 0)
     tokens = dict.fromkeys(TOKEN_TIERS, 0)
     seq = offloaded = 0
     for idx, layer in enumerate(cache.layers):
         stored = 0
-        if isinstance(layer, TieredLayer):
+        if isinstance(layer, LayerState):
             groups = layer.tier_tensors()
             counts = layer.token_counts()
             seq = max(seq, layer.seen)

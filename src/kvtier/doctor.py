@@ -421,7 +421,7 @@ def prompt_ids(tokenizer: Any, tokens: int, seed: int = 0) -> tuple[torch.Tensor
 def _factory(preset: str | TierPolicy | Callable[[Any], Any], model: Any) -> tuple[Callable[[], Any], str]:
     if callable(preset) and not isinstance(preset, TierPolicy):
         return (lambda: preset(model)), getattr(preset, "__name__", type(preset).__name__)
-    from .cache import TieredCache
+    from .hf import TieredCache
 
     policy = get_policy(preset)
     return (lambda: TieredCache(model.config, policy)), policy.name or "custom"
@@ -492,8 +492,7 @@ def diagnose(
     """
     from tqdm.auto import tqdm
 
-    from .attention import enable
-    from .cache import TieredCache
+    from .hf import TieredCache, enable
 
     rule = rule or LeakRule()
     warmup = max(5, calls // 5) if warmup is None else warmup

@@ -1,29 +1,21 @@
-"""Registration of kvtier's attention and mask functions with transformers, and enable/disable.
+"""kvtier's attention function (the one registered with transformers as ``"kvtier"``).
 
-``kvtier.enable(model)`` registers both functions under the name ``"kvtier"`` (a name of our
-own, so nothing of transformers' is replaced) and switches the model to it;
-``kvtier.disable(model)`` switches the model back to the implementation it had. ``enable`` also
-works as a context manager; nested ``enable`` blocks are counted, and the model switches back only
-when the outermost one is left (or as many ``disable`` calls as ``enable`` calls were made).
+It has transformers' attention-function signature but imports nothing of transformers: the
+registration, ``enable`` and ``disable`` live in the adapter (:mod:`kvtier.hf.attention`).
+May import: torch, ``kvtier.cache.state``, ``kvtier.attention`` (mask, reference, tiered).
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, PreTrainedModel
-from transformers.masking_utils import AttentionMaskInterface
 
-from ..cache.layer import ATTENTION_NAME, HANDLE_KEY, TieredLayer
-from .mask import KVMask, kvtier_mask
+from ..cache.state import HANDLE_KEY, LayerState
+from .mask import KVMask
 from .reference import reference_attention
 from .tiered import tiered_attention
-
-#: model -> [implementation before the first enable, open enables]
-_PREVIOUS: weakref.WeakKeyDictionary[PreTrainedModel, list] = weakref.WeakKeyDictionary()
 
 
 def dense_attention(
@@ -55,14 +47,14 @@ def kvtier_attention(
 ) -> tuple[torch.Tensor, None]:
     """Attention function registered as ``"kvtier"``.
 
-    With a :class:`TieredLayer` handle in ``kwargs`` it attends over the layer's tiers (``key``
+    With a :class:`~kvtier.TieredLayer` handle in ``kwargs`` it attends over the layer's tiers (``key``
     and ``value`` are then only the new tokens, already stored in the hot tier) and moves the
     hot overflow down the tiers afterwards; without one it is plain SDPA.
     """
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     layer = kwargs.get(HANDLE_KEY)
-    if not isinstance(layer, TieredLayer):
+    if not isinstance(layer, LayerState):
         return dense_attention(query, key, value, attention_mask, scaling), None
     if attention_mask is not None and not isinstance(attention_mask, KVMask):
         raise NotImplementedError("tiered layers need kvtier's mask function; got a precomputed mask tensor")
@@ -76,49 +68,3 @@ def kvtier_attention(
         raise
     layer.settle(None if attention_mask is None else attention_mask.padding)  # all or nothing itself
     return out, None
-
-
-def register() -> None:
-    """Register kvtier's attention and mask functions under ``"kvtier"`` (idempotent)."""
-    AttentionInterface.register(ATTENTION_NAME, kvtier_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, kvtier_mask)
-
-
-class enable:
-    """Switch ``model`` to kvtier attention; undo with :func:`disable` or by leaving the ``with``.
-
-    >>> with kvtier.enable(model):
-    ...     model.generate(**inputs, cache=kvtier.TieredCache(model.config))
-    """
-
-    def __init__(self, model: PreTrainedModel):
-        if not isinstance(model, PreTrainedModel):
-            raise TypeError(f"kvtier.enable expects a transformers model, got {type(model).__name__}")
-        register()
-        self.model = model
-        entry = _PREVIOUS.get(model)
-        if entry is None:
-            current = model.config._attn_implementation
-            if current != ATTENTION_NAME:
-                model.set_attn_implementation(ATTENTION_NAME)
-            _PREVIOUS[model] = [current, 1]
-        else:
-            entry[1] += 1
-
-    def __enter__(self) -> PreTrainedModel:
-        return self.model
-
-    def __exit__(self, *exc: object) -> None:
-        disable(self.model)
-
-
-def disable(model: PreTrainedModel) -> None:
-    """Close one :class:`enable`; the last one restores the attention implementation ``model`` had."""
-    entry = _PREVIOUS.get(model)
-    if entry is None:
-        return
-    entry[1] -= 1
-    if entry[1] <= 0:
-        del _PREVIOUS[model]
-        if entry[0] != ATTENTION_NAME:
-            model.set_attn_implementation(entry[0])

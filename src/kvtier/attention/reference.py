@@ -9,19 +9,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..cache.layer import TieredLayer
+from ..cache.state import LayerState
 from ..indexing import hot_allowed
 from .mask import KVMask
 
 
-def hot_mask(layer: TieredLayer, q_len: int, padding: torch.Tensor | None) -> torch.Tensor:
+def hot_mask(layer: LayerState, q_len: int, padding: torch.Tensor | None) -> torch.Tensor:
     """bool ``[B or 1, q, L]``: causal (by index) and padding mask over the hot tier, for the last
     ``q_len`` positions (see :func:`kvtier.indexing.hot_allowed`)."""
     q_pos = layer.seen - q_len + torch.arange(q_len, device=layer.device)
     return hot_allowed(layer, q_pos, padding)
 
 
-def prefix_parts(layer: TieredLayer, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def prefix_parts(layer: LayerState, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Decoded ``(k, v, valid)`` of sinks, cold and warm (tokens older than every query)."""
     parts = []
     if layer.sinks.k is not None:
@@ -32,7 +32,7 @@ def prefix_parts(layer: TieredLayer, dtype: torch.dtype) -> list[tuple[torch.Ten
     return parts
 
 
-def reference_attention(layer: TieredLayer, query: torch.Tensor, mask: KVMask | None, scaling: float) -> torch.Tensor:
+def reference_attention(layer: LayerState, query: torch.Tensor, mask: KVMask | None, scaling: float) -> torch.Tensor:
     """Attention of ``query: [B, Hq, q, D]`` over all tiers of ``layer``.
 
     Returns

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.codecs import SignCodec
-from ..cache.layer import TieredLayer
+from ..cache.state import LayerState
 from ..indexing import hot_rows_allowed as _hot_allowed  # the name test_triton imports
 from ..kernels import fused_cpu
 from ..kernels.cpu import available as cpu_kernel_available
@@ -71,7 +71,7 @@ def _dense_call(stats: SparseStats, tiers, H: int, R: int) -> SparseStats:
 
 
 def _fused_attend(
-    layer: TieredLayer, rows, q_pos, padding, tiers, sp: SparsePolicy | None, stats
+    layer: LayerState, rows, q_pos, padding, tiers, sp: SparsePolicy | None, stats
 ) -> tuple[torch.Tensor, SparseStats | None]:
     """Every segment of the layer in one :func:`kvtier.kernels.fused_cpu.layer_attention` call;
     the same result and work counts as the per-tier path of :func:`_attend`."""
@@ -108,7 +108,7 @@ def _fused_attend(
 
 
 def _attend(
-    layer: TieredLayer, query: torch.Tensor, q_pos: torch.Tensor, padding, scaling: float, sp: SparsePolicy | None
+    layer: LayerState, query: torch.Tensor, q_pos: torch.Tensor, padding, scaling: float, sp: SparsePolicy | None
 ) -> torch.Tensor:
     """One pass over every tier; ``sp`` is the sparse policy applied to this call (None: dense)."""
     B, Hq, q, D = query.shape
@@ -148,7 +148,7 @@ def _attend(
     return from_rows(merge(parts), Hq, q)
 
 
-def _tier_starts(layer: TieredLayer, tiers) -> list[int]:
+def _tier_starts(layer: LayerState, tiers) -> list[int]:
     """Index of each tier's first token slot (cold, then warm: consecutive ranges)."""
     starts, start = [], layer.evicted
     for t in tiers:
@@ -163,7 +163,7 @@ def _value_bytes_per_token(t, D: int) -> float:
 
 
 def _token_sparse_parts(
-    layer: TieredLayer,
+    layer: LayerState,
     rows: torch.Tensor,
     row_pos: torch.Tensor,
     tiers,
@@ -200,7 +200,7 @@ def _token_sparse_parts(
 
 
 def _block_sparse_parts(
-    layer: TieredLayer,
+    layer: LayerState,
     rows: torch.Tensor,
     row_pos: torch.Tensor,
     tiers,
@@ -241,7 +241,7 @@ def _block_sparse_parts(
     return parts
 
 
-def tiered_attention(layer: TieredLayer, query: torch.Tensor, mask: KVMask | None, scaling: float) -> torch.Tensor:
+def tiered_attention(layer: LayerState, query: torch.Tensor, mask: KVMask | None, scaling: float) -> torch.Tensor:
     """Attention of ``query [B, Hq, q, D]`` over every tier of ``layer`` -> ``[B, q, Hq, D]``."""
     has_prefix = layer.sinks.k is not None or any(t is not None and t.nblocks for t in (layer.warm, layer.cold))
     if not has_prefix:  # only exact hot tokens: the plain SDPA call (bit-identical to DynamicCache)

@@ -42,7 +42,7 @@ class CacheSpec:
     def build(self, model: Any) -> Any:
         from transformers import DynamicCache, QuantizedCache
 
-        from ..cache.tiered import TieredCache
+        from ..hf import TieredCache
 
         if self.policy is not None:
             return TieredCache(model.config, self.policy, attention=self.attention)
@@ -60,7 +60,7 @@ class CacheSpec:
         if self.policy is None:
             yield
             return
-        from ..attention import enable
+        from ..hf import enable
 
         with enable(model):
             yield
@@ -88,8 +88,8 @@ def all_cache_names() -> list[str]:
 
 def kv_bytes(cache: Any) -> int:
     """Bytes held by a cache's tensors (kvtier: its memory report; others: their layer tensors)."""
-    from ..cache.tiered import TieredCache
     from ..diagnostics import reachable_tensor_bytes
+    from ..hf import TieredCache
 
     if isinstance(cache, TieredCache):
         return cache.memory_report().total_bytes

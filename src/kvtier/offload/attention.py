@@ -23,7 +23,7 @@ import torch
 
 from ..attention.mask import KVMask
 from ..attention.partials import Partial, exact_partial, from_rows, merge, tier_partial, to_rows
-from ..cache.layer import TieredLayer
+from ..cache.state import LayerState
 from ..indexing import hot_rows_allowed
 from ..policy import OffloadPolicy
 from .sketch import block_lse
@@ -100,7 +100,7 @@ def _cold_partials(
     return parts
 
 
-def _attend(layer: TieredLayer, query: torch.Tensor, q_pos: torch.Tensor, padding, scaling: float) -> torch.Tensor:
+def _attend(layer: LayerState, query: torch.Tensor, q_pos: torch.Tensor, padding, scaling: float) -> torch.Tensor:
     B, Hq, q, D = query.shape
     H = layer.kv_heads
     rows = to_rows(query, H, scaling)
@@ -117,7 +117,7 @@ def _attend(layer: TieredLayer, query: torch.Tensor, q_pos: torch.Tensor, paddin
     return from_rows(merge(parts), Hq, q)
 
 
-def offload_attention(layer: TieredLayer, query: torch.Tensor, mask: KVMask | None, scaling: float) -> torch.Tensor:
+def offload_attention(layer: LayerState, query: torch.Tensor, mask: KVMask | None, scaling: float) -> torch.Tensor:
     """Attention of ``query [B, Hq, q, D]`` over a layer with an offloaded cold tier -> ``[B, q, Hq, D]``."""
     if mask is not None and not mask.causal:
         raise NotImplementedError("tiered layers support causal (+ padding) masks only")

@@ -1,4 +1,9 @@
-"""Pure quantization functions: bit packing, k-bit group codes, 1-bit signs, rotations."""
+"""Pure quantization functions: bit packing, k-bit group codes, 1-bit signs, rotations.
+
+Owns the tensor math every codec and kernel shares (:mod:`.bits`, :mod:`.groups`,
+:mod:`.rotation`): pure functions of tensors, no state. May import: torch only; nothing else of
+kvtier (a leaf package).
+"""
 
 from .bits import pack_bits, packed_size, planes, unpack_bits
 from .groups import dequantize_kbit, dequantize_sign, quantize_kbit, quantize_sign

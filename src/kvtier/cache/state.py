@@ -1,0 +1,451 @@
+"""The per-layer state machine of a tiered cache: sinks, hot, warm and cold tiers (no transformers).
+
+Owns :class:`LayerState` (everything one layer of a :class:`~kvtier.TieredCache` does: tiers,
+settle/moves, input checks, the :class:`Journal` of all-or-nothing changes, eviction for byte
+caps, views for attention and reports), the forward-call counter ``FORWARDS`` and the names the
+adapter and attention share (``ATTENTION_NAME``, ``HANDLE_KEY``). The transformers cache layer
+:class:`kvtier.hf.layer.TieredLayer` is ``LayerState`` plus transformers' ``CacheLayerMixin``.
+May import: torch, ``kvtier.cache`` (tiers, codecs), ``kvtier.policy``, ``kvtier.errors``,
+``kvtier.stats``, and (lazily, for ``cold="offload"``) ``kvtier.offload``; never transformers,
+``kvtier.attention`` or ``kvtier.hf``.
+
+Data flow per forward call:
+
+1. ``update(k, v)`` appends the new tokens (post-RoPE, ``[B, H, q, D]``) to the exact hot buffer
+   and puts a handle to this layer into the attention kwargs; it returns only the new tokens.
+2. kvtier's attention function reads the tiers through the handle (reference path: each tier is
+   decoded transiently; fast paths read the packed data), then calls :meth:`settle` with the
+   padding mask of this step.
+3. ``settle`` moves the hot overflow, a block at a time: sink tokens (the first real tokens of
+   each row) into the sink buffer, the rest into warm, warm overflow into cold (or evicted).
+   Attention for the current step therefore always sees the current tokens exactly, and every
+   token is quantized once per tier move.
+
+Token index ranges (shared by all rows): evicted ``[0, e)``, cold ``[e, e + C)``, warm next,
+hot ``[hot_start, seen)``. Per-row validity masks exclude pads and captured sinks.
+
+Faults: a move is all-or-nothing. Tiers change copy-on-write, and the layer records how to undo
+each change in a :class:`Journal` (a few references: the hot and sink buffers' old tensors,
+blocks taken from a tier's front, counts pushed onto a tier's back). ``settle`` undoes its own
+changes when a step fails; a :class:`~kvtier.TieredCache` keeps one journal per layer for a
+whole forward call and undoes every layer's changes when the call fails anywhere in kvtier.
+
+With ``cold="offload"`` the cold tier is a :class:`~kvtier.offload.tier.OffloadTier` (same
+interface: resident key sketches and a block table over a block store in host RAM or on disk),
+and attention goes through :mod:`kvtier.offload.attention`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import KVTierError
+from ..policy import TierPolicy
+from ..stats import SparseStats, tensor_bytes
+from .codecs import make_codecs, storage_dtype, value_group
+from .tiers import BlockTier, HotBuffer, SinkBuffer
+
+ATTENTION_NAME = "kvtier"
+HANDLE_KEY = "tiered_layer"
+#: "fast" reads the packed tiers directly (decode: one fused C++ call per layer on the CPU);
+#: "per-tier" the same without the fused call (a partial per tier, merged in torch);
+#: "reference" decodes each tier and runs SDPA (the oracle).
+ATTENTION_PATHS = ("fast", "per-tier", "reference")
+
+#: Count of kvtier masks built so far: transformers builds a model's mask once per forward call,
+#: before any layer runs, so a cache sees this change between forward calls exactly when the
+#: model runs kvtier's mask (and so kvtier's attention). Bumped by kvtier.hf.mask.kvtier_mask.
+FORWARDS = [0]
+
+
+def forward_epoch() -> int:
+    """The number of kvtier masks built so far (see ``FORWARDS``)."""
+    return FORWARDS[0]
+
+
+class Journal:
+    """How to undo what one layer did since the journal began (see the module doc).
+
+    Counts and buffer references are taken at the start; tier changes add an undo step as they
+    happen; ``on_commit`` steps run when the changes are kept (e.g. freeing store records of
+    blocks that left a tier, which an undo would need back).
+    """
+
+    def __init__(self, layer: LayerState):
+        self.initialized = layer.is_initialized
+        self.seen, self.hot_start, self.evicted, self.batch = layer.seen, layer.hot_start, layer.evicted, layer.batch
+        self.hot = layer.hot.state()
+        self.sinks = layer.sinks.state()
+        self.stats = dataclasses.replace(layer.sparse_stats)
+        self.cold = layer.cold.state() if hasattr(layer.cold, "state") else None
+        self.undo: list[Callable[[], None]] = []
+        self.on_commit: list[Callable[[], None]] = []
+
+    def rollback(self, layer: LayerState) -> None:
+        """Put ``layer`` back as it was when the journal began."""
+        if not self.initialized:
+            layer.reset()
+            return
+        for step in reversed(self.undo):
+            step()
+        layer.hot.restore(self.hot)
+        layer.sinks.restore(self.sinks)
+        if self.cold is not None:
+            layer.cold.restore(self.cold)
+        layer.seen, layer.hot_start, layer.evicted, layer.batch = self.seen, self.hot_start, self.evicted, self.batch
+        layer.sparse_stats = self.stats
+        layer.journal = None
+
+    def commit(self, layer: LayerState) -> None:
+        for step in self.on_commit:
+            step()
+        layer.journal = None
+
+
+class LayerState:
+    """One layer's sinks, hot, warm and cold tiers and their movement (see the module doc).
+
+    Framework-free: it has the cache-layer methods transformers calls (``update``,
+    ``get_seq_length``, ``get_mask_sizes``, ``reorder_cache``, ...), and
+    :class:`kvtier.hf.layer.TieredLayer` adds transformers' ``CacheLayerMixin`` to them.
+
+    Parameters
+    ----------
+    policy : the layer's :class:`~kvtier.TierPolicy`.
+    owner : the cache the layer belongs to (a :class:`~kvtier.TieredCache`: ``begin_update``,
+        ``layer_done``, ``abort``, ``check_usable``), held by weak reference; None for a layer used alone.
+    attention : one of ``ATTENTION_PATHS``.
+    layer_idx : the layer's index in its model (named in errors), or None.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(
+        self,
+        policy: TierPolicy,
+        owner: Any = None,
+        attention: str = "fast",
+        layer_idx: int | None = None,
+    ):
+        super().__init__()
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention={attention!r} is not allowed: expected one of {ATTENTION_PATHS}")
+        self.policy = policy
+        # a weak reference: a dropped cache is freed at once, not by the cyclic garbage collector
+        self._owner = None if owner is None else weakref.ref(owner)
+        self.attention = attention
+        self.layer_idx = layer_idx
+        self.offloader = None
+        self.journal: Journal | None = None
+        if policy.cold == "offload" and not policy.is_exact:  # directories are checked here
+            from ..offload.prefetch import Offloader
+
+            shared = getattr(owner, "offloader", None)
+            self.offloader = shared if shared is not None else Offloader([policy.offload])
+        self.reset()
+
+    @property
+    def owner(self) -> Any:
+        """The :class:`~kvtier.TieredCache` this layer belongs to (None for a layer used alone)."""
+        return None if self._owner is None else self._owner()
+
+    @property
+    def fused(self) -> bool:
+        """Whether decode calls may take the fused whole-layer kernel (``attention="fast"``)."""
+        return self.attention == "fast"
+
+    # --- cache-layer interface (what transformers calls) ------------------------------------
+    def reset(self) -> None:
+        old = getattr(self, "cold", None)
+        if getattr(old, "is_offloaded", False):
+            old.close()  # its store's records and files go now
+        p = self.policy
+        bound = None if p.hot_tokens is None else p.hot_tokens + p.block_tokens
+        self.hot = HotBuffer(bound)
+        self.sinks = SinkBuffer(0 if p.is_exact else p.sink_tokens)
+        self.warm: BlockTier | None = None
+        self.cold: BlockTier | None = None
+        self.sparse_stats = SparseStats()
+        self.seen = 0
+        self.hot_start = 0
+        self.evicted = 0
+        self.batch = 0
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.journal = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.model_dtype = key_states.dtype
+        self.dtype = storage_dtype(self.policy, key_states.dtype)
+        self.batch, self.kv_heads, _, self.head_dim = key_states.shape
+        warm, cold = make_codecs(self.policy, self.head_dim)
+        T = self.policy.block_tokens
+        self.warm = BlockTier(warm, T, self.head_dim)
+        self.cold = None if cold is None else BlockTier(cold, T, self.head_dim)
+        if self.offloader is not None:
+            from ..offload.tier import OffloadTier
+
+            self.cold = OffloadTier(
+                self.policy,
+                self.head_dim,
+                self.dtype,
+                self.device,
+                value_group(self.policy, self.head_dim),
+                self.offloader,
+                self.layer_idx,
+            )
+        self.is_initialized = True
+
+    def check_input(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Raise (changing nothing) unless ``key_states, value_states`` fit this layer."""
+        where = "" if self.layer_idx is None else f" (layer {self.layer_idx})"
+        if not isinstance(key_states, torch.Tensor) or not isinstance(value_states, torch.Tensor):
+            raise TypeError(f"TieredCache{where}: key and value states must be tensors")
+        if key_states.dim() != 4 or key_states.shape != value_states.shape:
+            raise ValueError(
+                f"TieredCache{where}: expected key and value states of one shape [batch, kv_heads, tokens, "
+                f"head_dim], got {tuple(key_states.shape)} and {tuple(value_states.shape)}"
+            )
+        if not key_states.is_floating_point():
+            raise TypeError(f"TieredCache{where}: key states must be floating point, got {key_states.dtype}")
+        if not self.is_initialized:
+            return
+        B, H, _, D = key_states.shape
+        if (H, D) != (self.kv_heads, self.head_dim):
+            raise ValueError(
+                f"TieredCache{where}: this cache holds {self.kv_heads} KV heads of dim {self.head_dim}, but the "
+                f"model gave {H} of dim {D}: a cache belongs to one model; build a new TieredCache for this one"
+            )
+        if B != self.batch:
+            raise ValueError(
+                f"TieredCache{where}: this cache holds {self.batch} sequences, but the call has {B}: "
+                "build a new TieredCache for a new batch"
+            )
+        if key_states.device != self.device:
+            raise ValueError(
+                f"TieredCache{where}: this cache lives on {self.device}, but the call's states are on "
+                f"{key_states.device}: keep model and cache on one device"
+            )
+        if key_states.dtype != self.model_dtype:
+            raise TypeError(
+                f"TieredCache{where}: this cache was filled by a {self.model_dtype} model, but the call's states "
+                f"are {key_states.dtype}: build a new TieredCache after changing the model's dtype"
+            )
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        attn_kwargs = kwargs.get("kwargs")
+        if not isinstance(attn_kwargs, dict):
+            raise RuntimeError(
+                "TieredCache needs the model to pass its attention kwargs to cache.update "
+                "(transformers >= 5 models do); this model's attention does not."
+            )
+        self.check_input(key_states, value_states)
+        if self.owner is not None:
+            self.owner.begin_update(self)  # checks; starts this layer's journal of the call
+        try:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.hot.append(key_states.to(self.dtype), value_states.to(self.dtype))
+            self.seen += key_states.shape[2]
+        except BaseException as err:
+            self.abort(err)
+            raise
+        attn_kwargs[HANDLE_KEY] = self
+        return key_states, value_states
+
+    def abort(self, err: BaseException) -> None:
+        """A step of this call failed: undo the call's changes (every layer's, with an owner)."""
+        if self.owner is not None:
+            self.owner.abort(err)
+        elif self.journal is not None:
+            self.journal.rollback(self)
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._select_rows(torch.arange(self.batch, device=self.device).repeat_interleave(repeats))
+
+    def _select_rows(self, index: torch.Tensor) -> None:
+        if self.owner is not None:
+            self.owner.check_usable()
+        if not self.is_initialized:
+            return
+        for tier in (self.hot, self.sinks, self.warm, self.cold):
+            if tier is not None:
+                tier.index_select(index)
+        self.batch = int(index.numel())
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Not supported: quantized tokens cannot be restored (``is_croppable`` is False, so
+        transformers does not attempt it, e.g. for assisted decoding)."""
+        raise NotImplementedError("TieredCache cannot crop: its compressed tiers cannot be rolled back")
+
+    def offload(self) -> None:  # transformers' layer offloading does not apply to packed tiers
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+    def __deepcopy__(self, memo: dict) -> LayerState:
+        if self.journal is not None:
+            raise KVTierError("a TieredCache cannot be copied in the middle of a forward call")
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            if name == "_owner" and value is not None:  # the copy belongs to the copied cache
+                owner = copy.deepcopy(value(), memo)
+                value = None if owner is None else weakref.ref(owner)
+            else:
+                value = copy.deepcopy(value, memo)
+            setattr(new, name, value)
+        return new
+
+    # --- tier movement ------------------------------------------------------------------------
+    def settle(self, token_valid: torch.Tensor | None) -> None:
+        """Move the hot overflow down the tiers, all or nothing.
+
+        Parameters
+        ----------
+        token_valid : bool ``[B, >= seen]`` real-token mask in index space, or None (all real).
+        """
+        own = self.journal is None  # no call journal (a layer used on its own): one for this move
+        if own:
+            self.journal = Journal(self)
+        try:
+            self._move(token_valid)
+            if self.owner is not None:
+                self.owner.layer_done(self)
+        except BaseException as err:
+            self.abort(err)
+            raise
+        if own and self.journal is not None:
+            self.journal.commit(self)
+
+    def _move(self, token_valid: torch.Tensor | None) -> None:
+        p = self.policy
+        if p.hot_tokens is None or not self.is_initialized:
+            return
+        T = p.block_tokens
+        nblk = (self.hot.length - p.hot_tokens) // T
+        if nblk <= 0:
+            return
+        n = nblk * T
+        start = self.hot_start
+        k, v = self.hot.take_front(n)
+        self.hot_start += n
+        if token_valid is None:
+            valid = torch.ones(self.batch, n, dtype=torch.bool, device=self.device)
+        else:
+            valid = token_valid[:, start : start + n].to(self.device, torch.bool)
+        valid = self.sinks.capture(k, v, valid)
+        self._push_warm(k, v, valid)
+
+    def _push_warm(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
+        assert self.warm is not None and self.journal is not None
+        warm = self.warm
+        T = self.policy.block_tokens
+        incoming = k.shape[2] // T
+        cap = math.inf if self.policy.warm_tokens is None else self.policy.warm_tokens // T
+        overflow = int(max(0, warm.nblocks + incoming - cap))
+        from_warm = min(warm.nblocks, overflow)
+        direct = overflow - from_warm  # incoming blocks that would overflow at once
+        if from_warm:
+            old = warm.drop_front(from_warm)
+            self.journal.undo.append(lambda: warm.put_front(old))
+            self._push_cold(*warm.decode_blocks(old, torch.float32))
+        if direct:
+            d = direct * T
+            self._push_cold(k[:, :, :d], v[:, :, :d], valid[:, :d])
+            k, v, valid = k[:, :, d:], v[:, :, d:], valid[:, d:]
+        if k.shape[2]:
+            before = warm.nblocks
+            self.journal.undo.append(lambda: warm.truncate(before))
+            warm.push(k, v, valid)
+
+    def _push_cold(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
+        assert self.journal is not None
+        cold = self.cold
+        if cold is None:
+            self.evicted += k.shape[2]
+            return
+        before = cold.nblocks
+        self.journal.undo.append(lambda: cold.truncate(before))
+        cold.push(k, v, valid)
+
+    def evict_oldest(self, nblocks: int = 1) -> int:
+        """Drop up to ``nblocks`` of the oldest non-sink blocks (cold first, then warm) for a
+        byte cap; returns the blocks dropped. Part of the current journal (undone with it)."""
+        assert self.journal is not None
+        dropped = 0
+        for tier in (self.cold, self.warm):
+            if tier is None or (tier is self.warm and self.cold is not None and self.cold.nblocks):
+                continue
+            take = min(nblocks - dropped, tier.nblocks)
+            if take <= 0:
+                continue
+            old = tier.drop_front(take)
+            self.journal.undo.append(lambda tier=tier, old=old: tier.put_front(old))
+            if hasattr(tier, "release"):  # records of an offloaded tier: freed once the call is kept
+                self.journal.on_commit.append(lambda tier=tier, old=old: tier.release(old))
+            self.evicted += take * tier.block_tokens
+            dropped += take
+        return dropped
+
+    # --- views for attention and reports --------------------------------------------------------
+    def token_counts(self) -> dict[str, int]:
+        """Token slots per tier (slots include pads and captured sinks in block tiers)."""
+        return {
+            "sink": self.sinks.size if self.sinks.k is not None else 0,
+            "hot": self.hot.length,
+            "warm": 0 if self.warm is None else self.warm.ntokens,
+            "cold": 0 if self.cold is None else self.cold.ntokens,
+            "evicted": self.evicted,
+        }
+
+    def tier_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Every tensor this layer holds next to the compute, by tier (an offloading cold tier:
+        sketches, block table and checksums as ``cold``, prefetched blocks as ``staging``)."""
+        out = {
+            "sink": self.sinks.tensors(),
+            "hot": self.hot.tensors(),
+            "warm": [] if self.warm is None else self.warm.tensors(),
+            "cold": [] if self.cold is None else self.cold.tensors(),
+        }
+        if getattr(self.cold, "is_offloaded", False):
+            out["staging"] = self.cold.staging_tensors()
+        return out
+
+    def offloaded_bytes(self) -> int:
+        """Bytes of this layer's blocks in a block store (host RAM or disk); 0 without offload."""
+        return self.cold.offloaded_bytes if getattr(self.cold, "is_offloaded", False) else 0
+
+    def nbytes(self) -> int:
+        """Bytes this layer holds: its tensors (as :func:`kvtier.memory_report` counts them) plus
+        its blocks in a store."""
+        return tensor_bytes(t for ts in self.tier_tensors().values() for t in ts) + self.offloaded_bytes()

@@ -1,0 +1,299 @@
+"""``TieredCache``: a transformers ``Cache`` whose full-attention layers are :class:`TieredLayer`.
+
+Part of the transformers adapter (:mod:`kvtier.hf`); ``kvtier.cache.tiered`` is an alias of this
+module. May import: transformers, ``kvtier.cache``, ``kvtier.policy``, ``kvtier.errors``,
+``kvtier.stats``, ``kvtier.diagnostics``, ``kvtier.hf.layer``, and (lazily) ``kvtier.offload``.
+
+Sliding-window and other non-full-attention layers of hybrid models (``config.layer_types``)
+use transformers' own layer classes. The cache needs kvtier's attention function, which reads
+the tiers directly; ``kvtier.enable(model)`` switches a model to it.
+
+Every call is checked before anything changes: the model must run kvtier's attention for this
+call (its config says so, and a kvtier mask was built since the cache's last call: transformers
+builds the mask once per forward), and the states must fit the cache (layer count, KV heads,
+head dim, batch, device, dtype). A forward call is all-or-nothing: each tiered layer keeps a
+journal of the call's changes (see :mod:`kvtier.cache.state`), and a failure anywhere in kvtier
+(an exception, Ctrl-C, a full disk, a byte cap) undoes every layer's changes before it reaches
+the caller. A call interrupted outside kvtier (between two layers) is undone when the cache is
+next used, with an error asking to call again. If undoing itself fails, the cache refuses every
+later use, naming the first fault.
+
+Byte caps: ``max_bytes=N`` bounds the bytes the cache holds after every call (what
+:meth:`memory_report` counts: every tensor of every layer, offloaded blocks included). With
+``on_full="error"`` a call that would end above ``N`` raises :class:`~kvtier.CacheFullError` and
+leaves the cache as it was; with ``"evict"`` each tiered layer drops its oldest non-sink blocks
+(StreamingLLM-style) to stay within an equal share of ``N``, and ``memory_report()`` counts the
+evicted tokens. The exact hot tokens of the call being processed are held transiently before
+they settle (a long prompt chunk briefly holds its exact K/V).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
+
+from ..cache.state import ATTENTION_NAME, Journal, forward_epoch
+from ..diagnostics import MemoryReport, memory_report
+from ..errors import CacheFullError, KVTierError
+from ..policy import TierPolicy, get_policy
+from ..stats import OffloadStats, SparseStats, tensor_bytes
+from .layer import TieredLayer
+
+ON_FULL = ("error", "evict")
+
+
+class _Call:
+    """One forward call in progress: its mask epoch and the journals of the layers it reached."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+        self.journals: dict[int, tuple[TieredLayer, Journal]] = {}
+        self.done = 0
+
+
+class TieredCache(Cache):
+    """Tiered hot / warm / cold KV cache.
+
+    Parameters
+    ----------
+    config : the model's config (``model.config``) or the model itself.
+    policy : a preset name (see ``kvtier.PRESETS``) or a :class:`TierPolicy`.
+    attention : ``"fast"`` (attention on the packed data; decode on the CPU in one fused call per
+        layer), ``"per-tier"`` (the same, one partial per tier merged in torch) or ``"reference"``
+        (each tier decoded to dense K/V for one SDPA call; the oracle the fast paths are tested against).
+    max_bytes : cap on the bytes the cache holds after every call (see the module doc), or None.
+    on_full : ``"error"`` (raise :class:`~kvtier.CacheFullError`, cache unchanged) or ``"evict"``
+        (drop the oldest non-sink blocks) when a call would exceed ``max_bytes``.
+
+    Example
+    -------
+    >>> with kvtier.enable(model):
+    ...     out = model.generate(**inputs, cache=kvtier.TieredCache(model.config, "default"))
+    """
+
+    def __init__(
+        self,
+        config: PretrainedConfig | PreTrainedModel,
+        policy: str | TierPolicy = "default",
+        attention: str = "fast",
+        max_bytes: int | None = None,
+        on_full: str = "error",
+    ):
+        if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0):
+            raise ValueError(f"max_bytes={max_bytes!r} is not allowed: expected an int > 0 (bytes) or None")
+        if on_full not in ON_FULL:
+            raise ValueError(f"on_full={on_full!r} is not allowed: expected one of {ON_FULL}")
+        if isinstance(config, PreTrainedModel):
+            config = config.config
+        if not isinstance(config, PretrainedConfig):
+            raise TypeError(f"config must be a transformers config or model, got {type(config).__name__}")
+        self.config = config
+        self.policy = get_policy(policy)
+        text = config.get_text_config(decoder=True)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+        n = len(layer_types)
+        for idx in self.policy.layer_overrides:
+            if not -n <= idx < n:
+                raise ValueError(f"layer_overrides key {idx} is not allowed: the model has {n} layers")
+        policies = {i: self.policy.for_layer(i, n) for i, kind in enumerate(layer_types) if kind == "full_attention"}
+        offloading = [p.offload for p in policies.values() if p.cold == "offload" and not p.is_exact]
+        if max_bytes is not None and on_full == "evict" and offloading:
+            raise ValueError(
+                "on_full='evict' is not allowed with offloading layers (a store keeps its slots once grown); "
+                "use on_full='error' or a policy without cold='offload'"
+            )
+        self.max_bytes = max_bytes
+        self.on_full = on_full
+        self.offloader = None
+        if offloading:  # one worker and one private directory per disk path, shared by the layers
+            from ..offload.prefetch import Offloader
+
+            self.offloader = Offloader(offloading)
+        layers: list[Any] = []
+        for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
+            if kind == "full_attention":
+                layers.append(TieredLayer(policies[i], owner=self, attention=attention, layer_idx=i))
+            else:
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
+        super().__init__(layers=layers)
+        self.num_tiered = sum(isinstance(layer, TieredLayer) for layer in layers)
+        self._epoch = forward_epoch()  # mask epoch of the last finished call (or of construction)
+        self._call: _Call | None = None
+        self._fault: str | None = None
+        self._bytes: dict[int, int] = {}  # bytes of each tiered layer after its last settled call
+
+    # --- checks and the call journal ------------------------------------------------------------
+    def check_usable(self) -> None:
+        """Between calls (beam reordering, copies): raise if an earlier fault left the cache
+        unusable, and undo a call that was interrupted outside kvtier."""
+        self._check_fault()
+        if self._call is not None:
+            self._rollback(self._call)
+            raise self._interrupted()
+
+    def _check_fault(self) -> None:
+        if self._fault is not None:
+            raise KVTierError(f"this TieredCache is unusable after an earlier fault ({self._fault}); build a new one")
+
+    @staticmethod
+    def _interrupted() -> KVTierError:
+        return KVTierError(
+            "the previous forward call stopped between two layers (interrupted outside kvtier); the cache was "
+            "put back as it was before that call: call again"
+        )
+
+    def check_attention(self) -> None:
+        """Raise unless the model's config (if the cache was built from it) selects kvtier attention."""
+        impl = getattr(self.config, "_attn_implementation", None)
+        if impl is not None and impl != ATTENTION_NAME:
+            raise KVTierError(
+                f"TieredCache reads its compressed tiers in kvtier's attention, but the model uses {impl!r}: "
+                "run the model inside `with kvtier.enable(model):` (or call kvtier.enable(model))"
+            )
+
+    def _misuse(self) -> KVTierError:
+        return KVTierError(
+            "TieredCache needs kvtier's attention, but this forward call did not build kvtier's mask: the model "
+            "is not running kvtier attention. Run it inside `with kvtier.enable(model):` (or call "
+            "kvtier.enable(model)) and build the cache from model.config"
+        )
+
+    def begin_update(self, layer: TieredLayer) -> None:
+        """Called by ``layer.update`` before it changes anything: check the call, start the layer's journal.
+
+        A call's first layer starts a new :class:`_Call`, which needs a kvtier mask built since the
+        last call (else the model is not running kvtier attention); the other layers join it. A
+        layer already in the open call means a new forward began before the previous one finished.
+        """
+        self._check_fault()
+        self.check_attention()
+        idx, epoch, call = layer.layer_idx, forward_epoch(), self._call
+        if call is not None and idx in call.journals:
+            self._rollback(call)
+            if epoch == call.epoch:
+                raise self._misuse()
+            raise self._interrupted()
+        if call is None:
+            if epoch == self._epoch:
+                raise self._misuse()
+            call = self._call = _Call(epoch)
+        layer.journal = Journal(layer)
+        call.journals[idx] = (layer, layer.journal)
+
+    def layer_done(self, layer: TieredLayer) -> None:
+        """Called at the end of ``layer.settle``: enforce the byte cap; keep the call once every
+        tiered layer is done."""
+        call = self._call
+        if call is None or layer.layer_idx not in call.journals:
+            return
+        if self.max_bytes is not None:
+            self._enforce_cap(layer)
+            self._bytes[layer.layer_idx] = layer.nbytes()
+        call.done += 1
+        if call.done == len(call.journals) == self.num_tiered:
+            for lay, journal in call.journals.values():
+                journal.commit(lay)
+            self._epoch, self._call = call.epoch, None
+
+    def abort(self, err: BaseException) -> None:
+        """A step of the current call failed with ``err``: undo every layer's changes."""
+        call = self._call
+        if call is not None:
+            self._rollback(call, err)
+
+    def _rollback(self, call: _Call, err: BaseException | None = None) -> None:
+        self._call, self._epoch = None, call.epoch
+        try:
+            for layer, journal in reversed(list(call.journals.values())):
+                journal.rollback(layer)
+                self._bytes.pop(layer.layer_idx, None)
+        except BaseException as undo_err:
+            first = err if err is not None else undo_err
+            self._fault = f"{type(first).__name__}: {first}"
+            raise KVTierError(f"this TieredCache could not undo a failed call and is unusable ({self._fault})") from (
+                undo_err
+            )
+
+    # --- byte cap -----------------------------------------------------------------------------
+    def _other_bytes(self) -> int:
+        """Bytes of the layers that are not tiered (sliding-window layers of hybrid models)."""
+        tensors = [
+            t
+            for layer in self.layers
+            if not isinstance(layer, TieredLayer)
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+            if isinstance(t, torch.Tensor)
+        ]
+        return tensor_bytes(tensors)
+
+    def _held(self, layer: TieredLayer) -> int:
+        if layer.layer_idx not in self._bytes:
+            self._bytes[layer.layer_idx] = layer.nbytes()
+        return self._bytes[layer.layer_idx]
+
+    def _enforce_cap(self, layer: TieredLayer) -> None:
+        assert self.max_bytes is not None
+        own = layer.nbytes()
+        others = self._other_bytes() + sum(self._held(t) for t in self.tiered_layers if t is not layer)
+        if self.on_full == "evict":
+            share = (self.max_bytes - self._other_bytes()) // max(1, self.num_tiered)
+            while own > share and layer.evict_oldest(1):
+                own = layer.nbytes()
+            if own <= share:
+                return
+        if own + others > self.max_bytes:
+            what = "even after evicting every non-sink block of layer" if self.on_full == "evict" else "at layer"
+            raise CacheFullError(
+                f"this call would make the cache hold {own + others:,} bytes > max_bytes={self.max_bytes:,} "
+                f"({what} {layer.layer_idx}: {own:,} bytes); the cache is unchanged: raise max_bytes, use "
+                "on_full='evict', or a smaller policy"
+            )
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise KVTierError(
+                f"layer_idx={layer_idx!r} is not in this cache: it was built for {len(self.layers)} layers; "
+                "build the cache from the config of the model that runs it"
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @property
+    def tiered_layers(self) -> list[TieredLayer]:
+        return [layer for layer in self.layers if isinstance(layer, TieredLayer)]
+
+    def sparse_stats(self) -> SparseStats:
+        """Attention work of all tiered layers so far (see :class:`kvtier.stats.SparseStats`)."""
+        total = SparseStats()
+        for layer in self.tiered_layers:
+            total.add(layer.sparse_stats)
+        return total
+
+    def offload_stats(self) -> OffloadStats:
+        """Block traffic of the offloading layers so far: hit rate, blocks and bytes moved, stall time."""
+        total = OffloadStats()
+        for layer in self.tiered_layers:
+            if getattr(layer.cold, "is_offloaded", False):
+                total.add(layer.cold.stats)
+        return total
+
+    def close(self) -> None:
+        """Release offloaded blocks: stop the prefetch worker, delete the store files (idempotent).
+        Garbage collection does the same; the cache is empty afterwards."""
+        if self.offloader is not None:
+            self.offloader.close()
+        for layer in self.tiered_layers:
+            if getattr(layer.cold, "is_offloaded", False):
+                layer.reset()
+
+    def __enter__(self) -> TieredCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes held per tier and layer; see :class:`kvtier.diagnostics.MemoryReport`."""
+        return memory_report(self)

@@ -1,0 +1,217 @@
+"""The package's import structure: no import cycles, and a core that imports without transformers.
+
+The import graph is read from the source (AST), not from ``sys.modules``: module-level and
+function-level imports both count (a function-level import only hides a cycle until that function
+runs), imports under ``if TYPE_CHECKING:`` do not (they never run). An edge goes to the module an
+import names; a package counts as its ``__init__``; ``from pkg import name`` goes to ``pkg.name``
+when that is a module, else to ``pkg``.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted name -> file, for every module of kvtier (a package under its own name)."""
+    out = {}
+    for path in sorted((SRC / "kvtier").rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(node: ast.AST):
+    """Every import statement under ``node`` (any depth), except the bodies of ``if TYPE_CHECKING:``."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and _is_type_checking(child.test):
+            for other in child.orelse:
+                yield from _imports_of(other)
+            continue
+        yield from _imports_of(child)
+
+
+def _imports_of(node: ast.AST):
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        yield node
+    yield from _imports(node)
+
+
+def import_graph() -> dict[str, list[str]]:
+    """kvtier module -> the kvtier modules it imports (module- and function-level)."""
+    mods = _modules()
+    graph = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names if alias.name in mods)
+                continue
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                if f"{target}.{alias.name}" in mods:
+                    edges.add(f"{target}.{alias.name}")
+                elif target in mods:
+                    edges.add(target)
+        edges.discard(name)
+        graph[name] = sorted(edges)
+    return graph
+
+
+def find_cycles(graph: dict[str, list[str]]) -> list[list[str]]:
+    """One cycle path ``[a, b, ..., a]`` per strongly connected component with a cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                components.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    cycles = []
+    for comp in components:  # shortest way back to the component's first module
+        start = min(comp)
+        prev = {start: None}
+        queue = [start]
+        while queue:
+            v = queue.pop(0)
+            nxt = [w for w in graph[v] if w in comp]
+            if start in nxt:
+                path = [v]
+                while prev[path[-1]] is not None:
+                    path.append(prev[path[-1]])
+                cycles.append([start, *reversed(path[:-1]), start] if v != start else [start, start])
+                break
+            for w in nxt:
+                if w not in prev:
+                    prev[w] = v
+                    queue.append(w)
+    return cycles
+
+
+def test_graph_reader_sees_function_level_and_relative_imports():
+    graph = import_graph()
+    assert "kvtier.stats" in graph["kvtier.cache.state"]  # module level, relative
+    assert "kvtier.offload.prefetch" in graph["kvtier.cache.state"]  # function level
+    assert "kvtier.attention.partials" in graph["kvtier.attention.tiered"]  # from . import partials
+    assert "kvtier.hf" in graph["kvtier.adapters"]  # a package (lazy adapter import) counts as its __init__
+    assert "kvtier.offload" in graph["kvtier"]  # from .offload import OffloadError: the package
+    assert find_cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c", "a"]]
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles in src/kvtier:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_storage_never_imports_attention_or_the_adapter():
+    graph = import_graph()
+    storage = [
+        m for m in graph if m.startswith(("kvtier.offload.", "kvtier.cache.")) and m != "kvtier.offload.attention"
+    ]
+    storage = [m for m in storage if m not in ("kvtier.cache.layer", "kvtier.cache.tiered")]  # adapter aliases
+    bad = {m: [t for t in graph[m] if t.startswith(("kvtier.attention", "kvtier.hf"))] for m in storage}
+    assert not {m: t for m, t in bad.items() if t}
+
+
+# A meta path finder that makes ``transformers`` (and its submodules) impossible to import.
+BLOCK_TRANSFORMERS = textwrap.dedent(
+    """
+    import sys
+
+    class _Block:
+        def find_spec(self, name, path=None, target=None):
+            if name == "transformers" or name.startswith("transformers."):
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)", name=name)
+            return None
+
+    sys.meta_path.insert(0, _Block())
+    """
+)
+
+CORE = textwrap.dedent(
+    """
+    import kvtier
+    kvtier.TierPolicy()
+    kvtier.get_policy("default")
+    import kvtier.plan, kvtier.cache.tiers, kvtier.cache.codecs, kvtier.cache.state, kvtier.offload.store
+    import kvtier.offload.tier, kvtier.kernels.cpu, kvtier.quant, kvtier.attention.tiered, kvtier.diagnostics
+    import kvtier.cli
+    assert kvtier.cli.main(["plan", "--model", "llama-2-13b", "--seq-len", "32768", "--json"]) == 0
+    for owner, name in ((kvtier, "TieredCache"), (kvtier, "enable"), (kvtier.cache, "TieredLayer")):
+        try:
+            getattr(owner, name)
+        except ImportError as err:
+            assert "needs transformers" in str(err) and "kvtier[hf]" in str(err), err
+            print("clear:", err)
+        else:
+            raise AssertionError(f"{owner.__name__}.{name} imported without transformers")
+    assert not any(m == "transformers" or m.startswith("transformers.") for m in sys.modules)
+    print("core ok")
+    """
+)
+
+
+def test_core_imports_without_transformers():
+    proc = subprocess.run(
+        [sys.executable, "-c", BLOCK_TRANSFORMERS + CORE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=SRC.parent,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "core ok" in proc.stdout
+    assert '"model": "llama-2-13b"' in proc.stdout or "llama-2-13b" in proc.stdout
+
+
+@pytest.mark.parametrize("name", ["TieredCache", "TieredLayer", "enable", "disable", "register"])
+def test_adapter_names_still_resolve_with_transformers(name):
+    import kvtier
+    import kvtier.hf
+
+    assert getattr(kvtier, name) is getattr(kvtier.hf, name)
