@@ -22,8 +22,17 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+class _Counters:
+    """Dataclass counters that add up field by field."""
+
+    def add(self, other: _Counters) -> None:
+        """Add ``other``'s counts (same class) to these."""
+        for f in fields(self):  # type: ignore[arg-type]
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
 @dataclass
-class SparseStats:
+class SparseStats(_Counters):
     """Attention work of a layer. A (query row, key token) *pair* costs ``2 D`` FLOPs for its
     score and ``2 D`` for its value (one unit each); a block bound costs about one unit.
     ``pairs`` counts the pairs a dense pass evaluates (every real token, every row); ``scored`` and
@@ -41,10 +50,6 @@ class SparseStats:
     calls: int = 0
     dense_calls: int = 0
     dense_pairs: int = 0
-
-    def add(self, other: SparseStats) -> None:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     def dense(self, pairs: int, nbytes: int = 0) -> None:
         """Account work done without selection (sinks, hot)."""
@@ -77,7 +82,7 @@ class SparseStats:
 
 
 @dataclass
-class OffloadStats:
+class OffloadStats(_Counters):
     """Block traffic of offloading layers (see :mod:`kvtier.offload`).
 
     A *block* here is one record: one cold block of one (row, KV head). ``needed`` counts the
@@ -98,10 +103,6 @@ class OffloadStats:
     bytes_moved: int = 0
     stall_s: float = 0.0
     fetch_s: float = 0.0
-
-    def add(self, other: OffloadStats) -> None:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     @property
     def hit_rate(self) -> float:
