@@ -1,2 +1,7 @@
-"""Fused kernels for the packed tiers: a C++ CPU kernel (compiled on first use) and, on CUDA,
-Triton kernels. Each has the torch functions of :mod:`kvtier.attention.partials` as reference."""
+"""Fused kernels for the packed tiers: C++ CPU kernels (sources in ``csrc/``, compiled on first
+use by :mod:`kvtier.kernels.build`, with a warning and the torch path as fallback) and, on CUDA,
+Triton kernels. Each has the torch functions of :mod:`kvtier.attention.partials` as reference.
+
+Owns: kernel sources, their build and dispatch. May import torch, ``kvtier.quant`` and
+``kvtier.cache.codecs`` (codec metadata); never attention, cache state, offload or transformers.
+"""
