@@ -9,7 +9,7 @@ import torch
 
 import kvtier
 from conftest import tiny_llama
-from kvtier import PRESETS, TieredCache, TierPolicy
+from kvtier import PRESETS, TierPolicy
 from kvtier.cli import main
 from kvtier.plan import ModelShape, plan
 
@@ -41,7 +41,8 @@ def test_llama2_13b_fp16():
 @pytest.mark.parametrize("batch", [1, 2])
 def test_plan_matches_memory_report(policy, seq, batch):
     model = tiny_llama(num_hidden_layers=3)
-    cache = TieredCache(model.config, policy)
+    hf = pytest.importorskip("kvtier.hf", reason="needs the transformers adapter (kvtier[hf])", exc_type=ImportError)
+    cache = hf.TieredCache(model.config, policy)
     g = torch.Generator().manual_seed(seq)
     ids = torch.randint(3, 97, (batch, seq), generator=g)
     with kvtier.enable(model), torch.no_grad():

@@ -21,5 +21,7 @@ def hf_attribute(owner: str, name: str) -> Any:
     except ImportError as err:
         if not (err.name or "").split(".")[0] == "transformers":
             raise
-        raise ImportError(f"{owner}.{name} needs transformers: pip install 'kvtier[hf]'", name=err.name) from err
+        raise ImportError(
+            f"{owner}.{name} needs transformers>=5.24: pip install 'kvtier[hf]' ({err})", name=err.name
+        ) from err
     return getattr(hf, name)
