@@ -36,28 +36,10 @@ TARGET_DRIFT_PCT = 2.0
 
 
 def tiny_llama(seed: int = 0):  # noqa: ANN201 - LlamaForCausalLM
-    """The tests' tiny random Llama (tests/conftest.py), rebuilt here: benchmarks do not import tests."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The tests' tiny random Llama (``kvtier.testing``)."""
+    from kvtier.testing import tiny_llama as build
 
-    cfg = LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    model.generation_config.pad_token_id = 0
-    return model
+    return build(seed)
 
 
 def main(argv: list[str] | None = None) -> int:

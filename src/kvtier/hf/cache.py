@@ -237,13 +237,14 @@ class TieredCache(Cache):
     def _enforce_cap(self, layer: TieredLayer) -> None:
         assert self.max_bytes is not None
         own = layer.nbytes()
-        others = self._other_bytes() + sum(self._held(t) for t in self.tiered_layers if t is not layer)
+        other_layers = self._other_bytes()
         if self.on_full == "evict":
-            share = (self.max_bytes - self._other_bytes()) // max(1, self.num_tiered)
+            share = (self.max_bytes - other_layers) // max(1, self.num_tiered)
             while own > share and layer.evict_oldest(1):
                 own = layer.nbytes()
             if own <= share:
                 return
+        others = other_layers + sum(self._held(t) for t in self.tiered_layers if t is not layer)
         if own + others > self.max_bytes:
             what = "even after evicting every non-sink block of layer" if self.on_full == "evict" else "at layer"
             raise CacheFullError(
