@@ -244,7 +244,7 @@ def run_checks(sz: Sizes, device) -> list[dict]:
     import torch
 
     from kvtier import TierPolicy
-    from kvtier.attention.partials import exact_partial, kbit_partial, sign_partial, to_rows
+    from kvtier.attention.partials import exact_partial, packed_partial, to_rows
     from kvtier.attention.reference import reference_attention
     from kvtier.attention.tiered import tiered_attention
     from kvtier.cache.codecs import KBitCodec, SignCodec
@@ -258,8 +258,7 @@ def run_checks(sz: Sizes, device) -> list[dict]:
     codecs = [KBitCodec(b, sz.group) for b in (2, 3, 4, 8)] + [SignCodec(sz.group), SignCodec(sz.group, rotate=True)]
     for i, codec in enumerate(codecs):
         fields = make_tier(codec, B, H, n, T, D, device, pad_tokens=T + T // 2, seed=i)
-        torch_fn = kbit_partial if isinstance(codec, KBitCodec) else sign_partial
-        p = torch_fn(rows, fields, codec, D, None)
+        p = packed_partial(rows, fields, codec, D, None)
         got = dispatch.gpu_partial(rows, fields, codec, D)
         rows_checks.append(check_row(f"packed {codec.name}", got, (p.out, p.lse), reference64(rows, fields, codec, D)))
     # block-sparse: a quarter of the blocks per head, random per-row masks, one head with none
@@ -272,8 +271,7 @@ def run_checks(sz: Sizes, device) -> list[dict]:
         keep = torch.zeros(B, H, R, n, dtype=torch.bool)
         keep.scatter_(-1, blocks.clamp(min=0)[:, :, None].expand(B, H, R, k), row_mask & (blocks >= 0)[:, :, None])
         blocks, row_mask, keep = blocks.to(device), row_mask.to(device), keep.to(device)
-        torch_fn = kbit_partial if isinstance(codec, KBitCodec) else sign_partial
-        p = torch_fn(rows, fields, codec, D, keep)
+        p = packed_partial(rows, fields, codec, D, keep)
         got = dispatch.gpu_partial(rows, fields, codec, D, blocks, row_mask)
         ref = reference64(rows, fields, codec, D, keep)
         rows_checks.append(check_row(f"csr {codec.name}", got, (p.out, p.lse), ref))

@@ -32,12 +32,10 @@ from kvtier import TierPolicy  # noqa: E402
 from kvtier.attention.mask import KVMask  # noqa: E402
 from kvtier.attention.partials import (  # noqa: E402
     Partial,
-    affine,
     exact_partial,
     from_rows,
-    kbit_partial,
     merge,
-    sign_partial,
+    packed_partial,
     to_rows,
 )
 from kvtier.attention.reference import reference_attention  # noqa: E402
@@ -157,8 +155,7 @@ def tier_reference64(rows, fields, codec, dim, keep=None):
 
 
 def torch_partial(rows, fields, codec, dim, keep=None):
-    fn = kbit_partial if isinstance(codec, KBitCodec) else sign_partial
-    p = fn(rows, fields, codec, dim, keep)
+    p = packed_partial(rows, fields, codec, dim, keep)
     return p.out, p.lse
 
 
@@ -216,7 +213,7 @@ def test_ab_contract_any_width(bits):
     valid = torch.rand(B, 1, n, T, generator=g) > 0.25
     fields = codec.encode(torch.randn(B, H, n, T, D, generator=g), torch.randn(B, H, n, T, D, generator=g), valid)
     fields["valid"] = valid
-    ka, kb, va, vb, kc, vc = affine(fields, codec)
+    ka, kb, va, vb, kc, vc = codec.affine(fields)
     rows = torch.randn(B, H, R, D, generator=g)
     got = td.packed_attention(rows, kc, ka, kb, vc, va, vb, valid.squeeze(1), bits, D, num_splits=2)
     assert_close(got, torch_partial(rows, fields, codec, D), tier_reference64(rows, fields, codec, D))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.codecs import KBitCodec, SignCodec
+from ..cache.codecs import Codec
 from ..quant import planes, rotation
 
 NEG_INF = float("-inf")
@@ -161,62 +161,39 @@ def _block_softmax(scores: torch.Tensor, valid: torch.Tensor, block_mask: torch.
     return p.reshape(B, H, R, n, T).permute(0, 1, 3, 2, 4), lse
 
 
-def kbit_partial(
+def packed_partial(
     rows: torch.Tensor,
     fields: dict[str, torch.Tensor],
-    codec: KBitCodec,
+    codec: Codec,
     dim: int,
     block_mask: torch.Tensor | None,
     select=None,
 ) -> Partial:
-    """Attention over a k-bit tier without dequantizing it.
+    """Attention over a packed tier (any codec with affine codes) without dequantizing it.
+
+    With ``x = a * code + b`` (:meth:`~kvtier.cache.codecs.AffineCodec.affine`), key scores are
+    ``(q * a) . code + q . b`` and values ``sum_t p_t a_t code_t + sum_t p_t b_t``, codes read one
+    bit-plane slice at a time.
 
     Parameters
     ----------
     rows : ``[B, H, R, D]`` fp32, scaled.
-    fields : the tier's tensors (``k_codes [B,H,n,T,P]``, ``k_scale/k_zero [B,H,n,1,D]``,
-        ``v_codes``, ``v_scale/v_zero [B,H,n,T,D/G]``, ``valid [B,1,n,T]``).
+    fields : the tier's tensors (codes ``[B,H,n,T,P]``, key parameters ``[B,H,n,1,D]``, value
+        parameters ``[B,H,n,T,D/G]``, ``valid [B,1,n,T]``).
     block_mask : optional bool ``[B, H, R, n]``: blocks each row may read (sparse selection).
     select : optional token selection on exact scores (see :func:`_block_softmax`).
     """
     r = rotation(dim, rows.device) if codec.rotate else None
     rows = rows @ r if r is not None else rows
-    ks = fields["k_scale"].float()  # [B,H,n,1,D]
-    qs = _pad_channels(rows.unsqueeze(2) * ks, dim)  # [B,H,n,R,Dp]
-    scores = -(rows.unsqueeze(2) * ks * fields["k_zero"].float()).sum(-1, keepdim=True)  # [B,H,n,R,1]
-    for weight, sl, sub in _subplanes(fields["k_codes"], codec.bits, dim):
-        scores = scores + weight * (qs[..., sl] @ sub.transpose(-1, -2))  # [B,H,n,R,T]
+    ka, kb, va, vb, kc, vc = codec.affine(fields)  # [B,H,n,D] x2, [B,H,n,T,NG] x2
+    q = rows.unsqueeze(2)  # [B,H,1,R,D]
+    qa = _pad_channels(q * ka.unsqueeze(3), dim)  # [B,H,n,R,Dp]
+    scores = (q * kb.unsqueeze(3)).sum(-1, keepdim=True)  # [B,H,n,R,1]
+    for weight, sl, sub in _subplanes(kc, codec.bits, dim):
+        scores = scores + weight * (qa[..., sl] @ sub.transpose(-1, -2))  # [B,H,n,R,T]
     p, lse = _block_softmax(scores, fields["valid"], block_mask, select)
-    vs, vz = fields["v_scale"], fields["v_zero"]
-    out = _weighted_codes(p, fields["v_codes"], codec.bits, vs, dim) - _per_group(p, vz.float() * vs.float(), dim)
-    out = out.sum(2)
+    out = (_weighted_codes(p, vc, codec.bits, va, dim) + _per_group(p, vb, dim)).sum(2)
     return Partial(out @ r.T if r is not None else out, lse)
-
-
-def sign_partial(
-    rows: torch.Tensor,
-    fields: dict[str, torch.Tensor],
-    codec: SignCodec,
-    dim: int,
-    block_mask: torch.Tensor | None,
-    select=None,
-) -> Partial:
-    """Attention over a 1-bit tier: ``x = mean + scale * (2 b - 1)``, read bit slice by bit slice."""
-    r = rotation(dim, rows.device) if codec.rotate else None
-    q = rows @ r if r is not None else rows
-    ks, km = fields["k_scale"].float(), fields["k_mean"].float()  # [B,H,n,1,D]
-    qs = _pad_channels(q.unsqueeze(2) * ks, dim)
-    # q . (m + s (2b - 1)) = 2 (q s) . b + q . (m - s)
-    scores = (q.unsqueeze(2) * (km - ks)).sum(-1, keepdim=True)  # [B,H,n,R,1]
-    for _, sl, sub in _subplanes(fields["k_signs"], 1, dim):
-        scores = scores + 2.0 * (qs[..., sl] @ sub.transpose(-1, -2))
-    p, lse = _block_softmax(scores, fields["valid"], block_mask, select)
-    vs, vm = fields["v_scale"], fields["v_mean"]
-    out = 2.0 * _weighted_codes(p, fields["v_signs"], 1, vs, dim) + _per_group(p, vm.float() - vs.float(), dim)
-    out = out.sum(2)
-    if r is not None:
-        out = out @ r.T
-    return Partial(out, lse)
 
 
 #: Query rows per KV head up to which the fused CPU kernel is used (decode); longer chunks
@@ -224,21 +201,10 @@ def sign_partial(
 KERNEL_MAX_ROWS = 16
 
 
-def affine(fields: dict[str, torch.Tensor], codec: KBitCodec | SignCodec):
-    """``x = a * code + b`` parameters of a tier's keys ``[B,H,n,D]`` and values ``[B,H,n,T,NG]`` (fp32)."""
-    if isinstance(codec, KBitCodec):
-        ka, kz = fields["k_scale"].float().squeeze(3), fields["k_zero"].float().squeeze(3)
-        va, vz = fields["v_scale"].float(), fields["v_zero"].float()
-        return ka, -ka * kz, va, -va * vz, fields["k_codes"], fields["v_codes"]
-    ks, km = fields["k_scale"].float().squeeze(3), fields["k_mean"].float().squeeze(3)
-    vs, vm = fields["v_scale"].float(), fields["v_mean"].float()
-    return 2 * ks, km - ks, 2 * vs, vm - vs, fields["k_signs"], fields["v_signs"]
-
-
 def kernel_partial(
     rows: torch.Tensor,
     fields: dict[str, torch.Tensor],
-    codec: KBitCodec | SignCodec,
+    codec: Codec,
     dim: int,
     blocks: torch.Tensor | None = None,
     row_mask: torch.Tensor | None = None,
@@ -254,12 +220,11 @@ def kernel_partial(
         return Partial(*dispatch.gpu_partial(rows, fields, codec, dim, blocks, row_mask))
     from ..kernels import cpu
 
-    ka, kb, va, vb, kc, vc = affine(fields, codec)
-    bits = codec.bits if isinstance(codec, KBitCodec) else 1
+    ka, kb, va, vb, kc, vc = codec.affine(fields)
     r = rotation(dim, rows.device) if codec.rotate else None
     q = rows @ r if r is not None else rows
     out, lse, counts = cpu.packed_attention(
-        q, kc, ka, kb, vc, va, vb, fields["valid"].squeeze(1), bits, dim, blocks, row_mask, select
+        q, kc, ka, kb, vc, va, vb, fields["valid"].squeeze(1), codec.bits, dim, blocks, row_mask, select
     )
     return Partial(out @ r.T if r is not None else out, lse, counts)
 
@@ -317,7 +282,7 @@ def _flash_chunks(rows, fields, codec, dim: int, step: int) -> Partial:
 def chunked_partial(
     rows: torch.Tensor,
     fields: dict[str, torch.Tensor],
-    codec: KBitCodec | SignCodec,
+    codec: Codec,
     dim: int,
     block_mask: torch.Tensor | None = None,
     select=None,
@@ -325,7 +290,7 @@ def chunked_partial(
     """Attention over a tier for many query rows (prefill chunks): keys, then values, are decoded
     ``DECODE_CHUNK_TOKENS`` at a time and multiplied in dense GEMMs, which beats reading the packed
     codes per row when rows are many; the tier is never decoded as a whole. Same semantics as
-    :func:`kbit_partial` (``block_mask``, ``select``)."""
+    :func:`packed_partial` (``block_mask``, ``select``)."""
     B, H, R, D = rows.shape
     n, T = fields["valid"].shape[2:4]
     step = max(1, DECODE_CHUNK_TOKENS // T)
@@ -356,10 +321,10 @@ def chunked_partial(
 def tier_partial(rows, fields, codec, dim, block_mask=None, select=None) -> Partial:
     """Attention over a whole tier: the fused kernel for few rows (decode), chunked decoding + GEMMs
     for many rows (prefill), the bit-plane torch path otherwise."""
+    if codec.AFFINE is None:  # codes the kernels cannot read: decode chunk by chunk
+        return chunked_partial(rows, fields, codec, dim, block_mask, select)
     if block_mask is None and select is None and use_kernel(rows):
         return kernel_partial(rows, fields, codec, dim)
     if rows.shape[2] > KERNEL_MAX_ROWS:
         return chunked_partial(rows, fields, codec, dim, block_mask, select)
-    if isinstance(codec, KBitCodec):
-        return kbit_partial(rows, fields, codec, dim, block_mask, select)
-    return sign_partial(rows, fields, codec, dim, block_mask, select)
+    return packed_partial(rows, fields, codec, dim, block_mask, select)

@@ -2,8 +2,9 @@
 
 Block score: Quest's upper bound of ``q . k`` over a block, ``sum_d max(q_d lo_d, q_d hi_d)``,
 where ``lo, hi`` are the per-channel extremes of the block's *stored* keys. They come for free
-from the quantization metadata: a k-bit block spans ``[-zero * scale, (qmax - zero) * scale]``
-per channel, a sign block ``mean -/+ scale``. The bound costs ``1 / block_tokens`` of the scores.
+from the quantization metadata (:meth:`~kvtier.cache.codecs.AffineCodec.key_range`: a k-bit block
+spans ``[-zero * scale, (qmax - zero) * scale]`` per channel, a sign block ``mean -/+ scale``).
+The bound costs ``1 / block_tokens`` of the scores.
 
 Each query row keeps the blocks its method selects (see :class:`~kvtier.policy.SparsePolicy`),
 plus every block overlapping its local window. The attention then reads only the union of the
@@ -16,7 +17,6 @@ import math
 
 import torch
 
-from ..cache.codecs import KBitCodec
 from ..cache.tiers import BlockTier
 from ..indexing import union_blocks
 from ..policy import SparsePolicy
@@ -28,12 +28,7 @@ __all__ = ["block_bounds", "gather_fields", "select_blocks", "select_tokens", "u
 def block_bounds(rows: torch.Tensor, tier: BlockTier) -> torch.Tensor:
     """Upper bound of ``row . k`` per block: ``rows [B,H,R,D]`` -> ``[B,H,R,n]`` (-inf: empty block)."""
     f = tier.fields
-    if isinstance(tier.codec, KBitCodec):
-        s, z = f["k_scale"].float().squeeze(3), f["k_zero"].float().squeeze(3)  # [B,H,n,D]
-        lo, hi = -z * s, ((1 << tier.codec.bits) - 1 - z) * s
-    else:
-        s, m = f["k_scale"].float().squeeze(3), f["k_mean"].float().squeeze(3)
-        lo, hi = m - s, m + s
+    lo, hi = tier.codec.key_range(f)  # [B,H,n,D]
     if tier.codec.rotate:  # bounds of the rotated keys: score the rotated rows
         rows = rows @ rotation(rows.shape[-1], rows.device)
     bound = rows.clamp(min=0) @ hi.transpose(-1, -2) + rows.clamp(max=0) @ lo.transpose(-1, -2)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.codecs import SignCodec
 from ..cache.state import LayerState
 from ..indexing import hot_rows_allowed as _hot_allowed  # the name test_triton imports
 from ..kernels import fused_cpu
@@ -91,10 +90,9 @@ def _fused_attend(
     exact.append((hk, hv, allowed))
     args = []
     for t, start in zip(tiers, _tier_starts(layer, tiers)):
-        f, sign = t.fields, isinstance(t.codec, SignCodec)
-        bits = 1 if sign else t.codec.bits
-        rot = rotation(D, rows.device) if t.codec.rotate else None
-        args.append(((*(f[n] for n in t.codec.KERNEL_FIELDS), f["valid"].squeeze(1)), bits, start, sign, rot))
+        f, c = t.fields, t.codec
+        rot = rotation(D, rows.device) if c.rotate else None
+        args.append(((*(f[n] for n in c.KERNEL_FIELDS), f["valid"].squeeze(1)), c.bits, start, c.AFFINE, rot))
     select = None if sp is None else (sp.method, sp.level, q_pos.repeat(R // q) - sp.local_window + 1)
     out, _, counts = fused_cpu.layer_attention(rows, exact, args, select)
     if stats is not None:

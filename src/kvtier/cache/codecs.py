@@ -5,6 +5,19 @@ of tensors whose third axis is the block axis, and back. Keys are quantized per 
 statistics run over the ``T`` tokens of a block), values per token (over groups of ``G``
 channels). Codes are packed along ``D``. ``nbytes`` gives the exact storage for a shape, so the
 planner and the cache's own report count the same bytes.
+
+The codec interface (what attention, kernels and the planner may rely on; see "Add a codec" in
+CONTRIBUTING.md):
+
+* ``name``, ``bits`` (code width, 1..8), ``rotate`` (codes of ``x @ rotation``), ``value_group``;
+* ``encode(k, v, valid) -> fields``, ``decode_keys`` / ``decode_values`` / ``decode``, ``nbytes``;
+* ``AFFINE``: how every stored value follows from its code, ``x = a * code + b``, with ``(a, b)``
+  read from the two metadata fields after the codes in ``KERNEL_FIELDS`` by one rule of
+  :data:`AFFINE_MODES` (the kernels' codec switch: fused C++ ``Meta``, Triton ``_affine``), or
+  ``None`` for a codec whose codes are not affine (the kernels cannot read it; attention decodes
+  it chunk by chunk);
+* :meth:`affine` (that rule in torch) and :meth:`key_range` (per-channel bounds of the stored keys,
+  Quest's block bounds), both derived from ``AFFINE`` in :class:`AffineCodec`.
 """
 
 from __future__ import annotations
@@ -28,6 +41,48 @@ from ..quant import (
 
 _FP16 = 2
 
+#: How a kernel reads ``(a, b)`` of ``x = a * code + b`` from a codec's two stored parameters
+#: ``(p1, p2)``: ``"ab"`` given directly, ``"scale_zero"`` ``a = p1, b = -p1 * p2`` (k-bit),
+#: ``"scale_mean"`` ``a = 2 p1, b = p2 - p1`` (sign codes). The integer is the mode the kernels take.
+AFFINE_MODES = {"ab": 0, "scale_zero": 1, "scale_mean": 2}
+
+
+def affine_ab(mode: str, p1: torch.Tensor, p2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, b)`` in fp32 from a codec's stored parameters by rule ``mode`` of :data:`AFFINE_MODES`."""
+    p1, p2 = p1.float(), p2.float()
+    if mode == "scale_zero":
+        return p1, -p1 * p2
+    if mode == "scale_mean":
+        return 2 * p1, p2 - p1
+    if mode == "ab":
+        return p1, p2
+    raise ValueError(f"unknown affine mode {mode!r}; expected one of {sorted(AFFINE_MODES)}")
+
+
+class AffineCodec:
+    """What every codec whose codes are affine (``x = a * code + b``) shares: the kernels' view of
+    its fields and Quest bounds, both from ``KERNEL_FIELDS`` and ``AFFINE`` alone."""
+
+    KERNEL_FIELDS: ClassVar[tuple[str, ...]]
+    AFFINE: ClassVar[str | None]
+    bits: int
+    rotate: bool
+
+    def affine(self, f: dict[str, torch.Tensor]):
+        """``(k_a, k_b, v_a, v_b, k_codes, v_codes)``: fp32 keys ``[B,H,n,D]``, values ``[B,H,n,T,NG]``."""
+        kc, k1, k2, vc, v1, v2 = (f[name] for name in self.KERNEL_FIELDS)
+        ka, kb = affine_ab(self.AFFINE, k1.squeeze(3), k2.squeeze(3))
+        va, vb = affine_ab(self.AFFINE, v1, v2)
+        return ka, kb, va, vb, kc, vc
+
+    def key_range(self, f: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel ``(lo, hi)`` of the stored keys of each block, fp32 ``[B,H,n,D]`` (rotated space
+        when ``rotate``): codes span ``0 .. 2**bits - 1``."""
+        _, k1, k2 = (f[name] for name in self.KERNEL_FIELDS[:3])
+        a, b = affine_ab(self.AFFINE, k1.squeeze(3), k2.squeeze(3))
+        top = a * ((1 << self.bits) - 1) + b
+        return torch.minimum(b, top), torch.maximum(b, top)
+
 
 def _token_valid(valid: torch.Tensor) -> torch.Tensor:
     """``[B, 1, n, T]`` -> broadcastable to ``[B, H, n, T, 1]``."""
@@ -35,7 +90,7 @@ def _token_valid(valid: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class KBitCodec:
+class KBitCodec(AffineCodec):
     """``bits``-bit asymmetric group quantization (KIVI layout). With ``rotate`` K and V are first
     rotated by the fixed randomized Hadamard matrix (QuaRot, https://arxiv.org/abs/2404.00456),
     which spreads outlier channels before the per-channel / per-token grids are fitted."""
@@ -45,6 +100,7 @@ class KBitCodec:
     rotate: bool = False
     #: key codes, key scale, key zero, value codes, value scale, value zero (the kernels' order)
     KERNEL_FIELDS: ClassVar[tuple[str, ...]] = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+    AFFINE: ClassVar[str] = "scale_zero"
 
     @property
     def name(self) -> str:
@@ -93,7 +149,7 @@ class KBitCodec:
 
 
 @dataclass(frozen=True)
-class SignCodec:
+class SignCodec(AffineCodec):
     """1-bit sign of the centered value, with a mean and a scale (``mean |x - mean|``).
 
     Keys: mean and scale per channel over a block; values: per token over ``value_group``
@@ -104,6 +160,8 @@ class SignCodec:
     rotate: bool = False
     #: key signs, key scale, key mean, value signs, value scale, value mean (the kernels' order)
     KERNEL_FIELDS: ClassVar[tuple[str, ...]] = ("k_signs", "k_scale", "k_mean", "v_signs", "v_scale", "v_mean")
+    AFFINE: ClassVar[str] = "scale_mean"
+    bits: ClassVar[int] = 1
 
     @property
     def name(self) -> str:

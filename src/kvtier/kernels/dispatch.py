@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from ..cache.codecs import KBitCodec, SignCodec
+from ..cache.codecs import Codec
 from ..quant import rotation
 
 
@@ -33,13 +33,10 @@ def use_triton(rows: torch.Tensor) -> bool:
     return rows.is_cuda and available()
 
 
-_MODES = {KBitCodec: "scale_zero", SignCodec: "scale_mean"}
-
-
 def gpu_partial(
     rows: torch.Tensor,
     fields: dict[str, torch.Tensor],
-    codec: KBitCodec | SignCodec,
+    codec: Codec,
     dim: int,
     blocks: torch.Tensor | None = None,
     row_mask: torch.Tensor | None = None,
@@ -52,7 +49,7 @@ def gpu_partial(
     Parameters
     ----------
     rows : fp32 ``[B, H, R, D]``, pre-scaled.
-    fields : the tier's tensors (see :class:`kvtier.cache.codecs.KBitCodec` / ``SignCodec``),
+    fields : the tier's tensors (``codec.KERNEL_FIELDS``, see :mod:`kvtier.cache.codecs`),
         ``valid`` bool ``[B, 1, n, T]``.
     codec : the tier's codec; a rotated sign codec rotates the rows in and the output back.
     dim : head dim ``D``.
@@ -76,7 +73,7 @@ def gpu_partial(
 def gpu_csr_partial(
     rows: torch.Tensor,
     fields: dict[str, torch.Tensor],
-    codec: KBitCodec | SignCodec,
+    codec: Codec,
     dim: int,
     indptr: torch.Tensor | None = None,
     indices: torch.Tensor | None = None,
@@ -94,14 +91,26 @@ def gpu_csr_partial(
     """
     from . import triton_decode as td
 
-    mode = _MODES[type(codec)]
     kc, ka, kb, vc, va, vb = (fields[name] for name in codec.KERNEL_FIELDS)
-    bits = codec.bits if isinstance(codec, KBitCodec) else 1
     r = rotation(dim, rows.device) if codec.rotate else None
     q = rows @ r if r is not None else rows
     valid = fields["valid"].squeeze(1)
     out, lse = td.packed_attention_csr(
-        q, kc, ka, kb, vc, va, vb, valid, bits, dim, indptr, indices, row_mask, affine=mode, num_splits=num_splits
+        q,
+        kc,
+        ka,
+        kb,
+        vc,
+        va,
+        vb,
+        valid,
+        codec.bits,
+        dim,
+        indptr,
+        indices,
+        row_mask,
+        affine=codec.AFFINE,
+        num_splits=num_splits,
     )
     return (out @ r.T if r is not None else out), lse
 

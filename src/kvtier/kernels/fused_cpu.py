@@ -21,7 +21,7 @@ per-tier path it replaces (torch partials + :func:`kvtier.attention.partials.mer
 tests compare it with. When the build fails :func:`available` is False and callers use that path.
 
 The C++ is ``csrc/layer_attention.cpp`` (with ``csrc/common.h``, shared with :mod:`kvtier.kernels.cpu`),
-built by :mod:`kvtier.kernels.build`. Imports only torch and ``.build``.
+built by :mod:`kvtier.kernels.build`. Imports only torch, ``.build`` and the codecs' affine table.
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ import functools
 
 import torch
 
+from ..cache.codecs import AFFINE_MODES
 from . import build
 
 
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_fused_cpu_v8", "layer_attention.cpp", ["layer_attention"], ("-fno-math-errno", "-fno-trapping-math")
+        "kvtier_fused_cpu_v9", "layer_attention.cpp", ["layer_attention"], ("-fno-math-errno", "-fno-trapping-math")
     )
 
 
@@ -62,10 +63,11 @@ def layer_attention(
     ----------
     exact : ``(k, v, allowed)`` per exact segment: ``k, v [B,H,L,D]`` fp32/fp16/bf16 (views with a
         contiguous last axis are fine), ``allowed`` bool ``[Bm,Rm,L]`` (``Bm`` 1 or B, ``Rm`` 1 or R).
-    tiers : ``((k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid), bits, start, sign, rot)``
-        per packed tier, as a codec stores them (fp16 or fp32 metadata; a sign codec passes its
-        means as zeros and ``sign=True``), ``valid [B,n,T]``, ``start`` the index of the tier's first
-        token slot, ``rot [D,D]`` or None (codes of ``x @ rot``).
+    tiers : ``((k_codes, k_p1, k_p2, v_codes, v_p1, v_p2, valid), bits, start, affine, rot)``
+        per packed tier, as a codec stores them (``codec.KERNEL_FIELDS``, fp16 or fp32 metadata),
+        ``affine`` the codec's rule for ``x = a * code + b`` (a key of
+        :data:`kvtier.cache.codecs.AFFINE_MODES`), ``valid [B,n,T]``, ``start`` the index of the
+        tier's first token slot, ``rot [D,D]`` or None (codes of ``x @ rot``).
     select : ``(method, level, forced_from [R])``: token selection per tier (``"mass"`` or
         ``"quantile"``, rules of :func:`kvtier.attention.sparse.select_tokens`, the mass counting the
         tier's tokens and the exact ones); tokens at index >= ``forced_from`` are always kept.
@@ -79,10 +81,10 @@ def layer_attention(
     flat_exact = [t for seg in exact for t in seg]
     flat_tiers: list[torch.Tensor] = []
     info: list[int] = []
-    for tensors, bits, start, sign, rot in tiers:
+    for tensors, bits, start, affine, rot in tiers:
         flat_tiers += [t.contiguous() for t in tensors]
         flat_tiers.append(_EMPTY_F if rot is None else rot.float().contiguous())
-        info += [int(bits), int(start), int(bool(sign))]
+        info += [int(bits), int(start), AFFINE_MODES[affine]]
     method = 0 if select is None else {"mass": 1, "quantile": 2}[select[0]]
     return tuple(
         _module().layer_attention(

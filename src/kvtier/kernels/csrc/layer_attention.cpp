@@ -229,11 +229,13 @@ struct Exact {
   int64_t mB, mR, mL;  // mask strides (0 = broadcast)
 };
 
-// Affine metadata as stored (fp16 or fp32): k-bit x = s * (code - z); sign x = 2 s code + mean - s.
+// Affine metadata as stored (fp16 or fp32), x = a * code + b with (a, b) from the two stored
+// parameters (p1, p2) by the codec's mode (kvtier.cache.codecs.AFFINE_MODES): 0 "ab" a = p1, b = p2;
+// 1 "scale_zero" (k-bit) a = p1, b = -p1 * p2; 2 "scale_mean" (sign) a = 2 p1, b = p2 - p1.
 struct Meta {
   const void *s, *z;
   int64_t kind;
-  bool sign;
+  int64_t mode;
   inline float f(const void* p, int64_t i) const {
     if (kind == 0) return static_cast<const float*>(p)[i];
 #if defined(__F16C__)
@@ -247,16 +249,21 @@ struct Meta {
     const int64_t esz = kind == 0 ? 4 : 2;
     load_row(static_cast<const uint8_t*>(s) + i * esz, kind, D, a);
     load_row(static_cast<const uint8_t*>(z) + i * esz, kind, D, tmp);
-    if (sign) {
+    if (mode == 2) {
 #pragma omp simd
       for (int64_t c = 0; c < D; ++c) { b[c] = tmp[c] - a[c]; a[c] *= 2.f; }
-    } else {
+    } else if (mode == 1) {
 #pragma omp simd
       for (int64_t c = 0; c < D; ++c) b[c] = -a[c] * tmp[c];
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < D; ++c) b[c] = tmp[c];
     }
   }
-  inline float a(int64_t i) const { return sign ? 2.f * f(s, i) : f(s, i); }
-  inline float b(int64_t i) const { return sign ? f(z, i) - f(s, i) : -f(s, i) * f(z, i); }
+  inline float a(int64_t i) const { return mode == 2 ? 2.f * f(s, i) : f(s, i); }
+  inline float b(int64_t i) const {
+    return mode == 2 ? f(z, i) - f(s, i) : mode == 1 ? -f(s, i) * f(z, i) : f(z, i);
+  }
 };
 
 struct Tier {
@@ -319,7 +326,7 @@ int64_t kind_of(const torch::Tensor& t) {
 // rows [B,H,R,D] fp32 (scaled). exact: 3 tensors per segment: k, v [B,H,L,D] (last axis contiguous),
 // mask bool [Bm,Rm,L] (Bm in {1,B}, Rm in {1,R}). tiers: 8 tensors per tier: k_codes [B,H,n,T,P],
 // k_scale, k_zero (or k_mean) [B,H,n,1,D], v_codes, v_scale, v_zero (or v_mean) [B,H,n,T,NG],
-// valid [B,n,T], rot ([D,D] or empty); tier_info: (bits, start, sign) per tier.
+// valid [B,n,T], rot ([D,D] or empty); tier_info: (bits, start, affine mode) per tier.
 // Returns out [B,H,R,D] (normalized, merged), lse [B,H,R], counts int64 [B*H, 1 + ntiers, 3].
 std::vector<torch::Tensor> layer_attention(
     torch::Tensor rows, std::vector<torch::Tensor> exact, std::vector<torch::Tensor> tiers,
@@ -347,16 +354,17 @@ std::vector<torch::Tensor> layer_attention(
     const torch::Tensor* f = &tiers[8 * s];
     for (int i = 0; i < 7; ++i) TORCH_CHECK(f[i].is_contiguous(), "tier tensors must be contiguous");
     Tier t;
-    const bool sign = tier_info[3 * s + 2] != 0;
+    const int64_t mode = tier_info[3 * s + 2];
+    TORCH_CHECK(mode >= 0 && mode <= 2, "affine mode: 0 (ab), 1 (scale_zero) or 2 (scale_mean)");
     for (int i : {1, 2, 4, 5})
       TORCH_CHECK(f[i].scalar_type() == torch::kFloat16 || f[i].scalar_type() == torch::kFloat32,
                   "tier metadata: float16 or float32");
     TORCH_CHECK(f[1].scalar_type() == f[2].scalar_type() && f[4].scalar_type() == f[5].scalar_type(),
                 "tier metadata: scale and zero of one dtype");
     t.kc = f[0].data_ptr<uint8_t>();
-    t.km = {f[1].data_ptr(), f[2].data_ptr(), f[1].scalar_type() == torch::kFloat32 ? 0 : 1, sign};
+    t.km = {f[1].data_ptr(), f[2].data_ptr(), f[1].scalar_type() == torch::kFloat32 ? 0 : 1, mode};
     t.vc = f[3].data_ptr<uint8_t>();
-    t.vm = {f[4].data_ptr(), f[5].data_ptr(), f[4].scalar_type() == torch::kFloat32 ? 0 : 1, sign};
+    t.vm = {f[4].data_ptr(), f[5].data_ptr(), f[4].scalar_type() == torch::kFloat32 ? 0 : 1, mode};
     t.ok = f[6].data_ptr<bool>();
     t.rot = f[7].numel() ? f[7].data_ptr<float>() : nullptr;
     t.n = f[0].size(2);
