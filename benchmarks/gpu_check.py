@@ -150,6 +150,15 @@ class Timer:
         return statistics.median(times)
 
 
+def flash_attn_available() -> bool:
+    """True when the ``flash_attn`` package imports (a baseline to compare with; it needs CUDA)."""
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:  # noqa: BLE001 - absent or built for another torch
+        return False
+    return True
+
+
 def table(title: str, rows: list[dict], cols: list[tuple[str, str, str]]) -> None:
     """Print ``rows`` under ``title``; ``cols``: (key, header, format)."""
     print(f"\n== {title}")
@@ -244,7 +253,8 @@ def run_checks(sz: Sizes, device) -> list[dict]:
     import torch
 
     from kvtier import TierPolicy
-    from kvtier.attention.partials import exact_partial, packed_partial, to_rows
+    from kvtier.attention.partials import exact_partial, packed_partial
+    from kvtier.attention.plan import plan_for
     from kvtier.attention.reference import reference_attention
     from kvtier.attention.tiered import tiered_attention
     from kvtier.cache.codecs import KBitCodec, SignCodec
@@ -304,7 +314,8 @@ def run_checks(sz: Sizes, device) -> list[dict]:
     ref32 = reference_attention(layer, query, None, D**-0.5)
     ref64 = reference_attention(layer, query.double(), None, D**-0.5)
     e_k, e_t = ((x.double() - ref64).abs().max().item() for x in (fast, ref32))
-    name = "kvtier tiered_attention" + (" (Triton)" if dispatch.use_triton(to_rows(query, H, 1.0)) else " (CPU path)")
+    backend = plan_for(layer, query).chunks[0].packed.name
+    name = "kvtier tiered_attention" + (" (Triton)" if backend == "triton" else f" ({backend} path)")
     rows_checks.append({"check": name, "err_kernel": e_k, "err_torch": e_t, "ok": e_k <= 2 * e_t + 1e-5})
     return rows_checks
 
@@ -364,7 +375,7 @@ def run_decode_step(sz: Sizes, device, timer: Timer) -> list[dict]:
     from kvtier.attention.partials import Partial, merge, to_rows
     from kvtier.attention.tiered import tiered_attention
     from kvtier.cache.layer import TieredLayer
-    from kvtier.kernels import dispatch, prefill
+    from kvtier.kernels import dispatch
 
     H, D = sz.step_heads, sz.head_dim
     policy = TierPolicy(
@@ -379,7 +390,7 @@ def run_decode_step(sz: Sizes, device, timer: Timer) -> list[dict]:
         dense_bytes = 2 * k.numel() * 2
         row = {"tokens": N, "dense MB": dense_bytes / 1e6}
         row["sdpa bf16 ms"] = timer(functools.partial(F.scaled_dot_product_attention, q, k, v, scale=D**-0.5))
-        if device.type == "cuda" and prefill.flash_available():
+        if device.type == "cuda" and flash_attn_available():
             from flash_attn import flash_attn_func
 
             qf, kf, vf = (x.transpose(1, 2).contiguous() for x in (q, k, v))
@@ -426,7 +437,6 @@ def run_e2e(sz: Sizes, device) -> list[dict]:
 
     import kvtier
     from kvtier import TierPolicy
-    from kvtier.kernels import prefill
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = LlamaConfig(max_position_embeddings=max(sz.prompts) + sz.new_tokens + 8, pad_token_id=0, **sz.model)
@@ -438,7 +448,7 @@ def run_e2e(sz: Sizes, device) -> list[dict]:
         sink_tokens=sz.sinks, value_group_size=sz.group, exact_dtype="model", layer_overrides={},
     )  # fmt: skip
     variants = [("dynamic (sdpa)", "sdpa", False), ("kvtier", "sdpa", True)]
-    if device.type == "cuda" and prefill.flash_available():
+    if device.type == "cuda" and flash_attn_available():
         variants.insert(1, ("dynamic (flash)", "flash_attention_2", False))
 
     def sync():

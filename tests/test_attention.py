@@ -41,8 +41,8 @@ def mask_for(valid, q):
     return KVMask(B, q, N, N - q, 0, padding, True)
 
 
-def check_close(layer, query, mask, scaling=0.3):
-    fast = tiered_attention(layer, query, mask, scaling)
+def check_close(layer, query, mask, scaling=0.3, force=None):
+    fast = tiered_attention(layer, query, mask, scaling, force=force)
     ref32 = reference_attention(layer, query, mask, scaling)
     ref64 = reference_attention(layer, query.double(), mask, scaling)
     # rows that attend nothing (pad queries) must be exactly zero in both
@@ -80,21 +80,16 @@ POLICIES = {
 }
 
 
-@pytest.fixture(params=["torch", "kernel", "fused"])
-def path(request, monkeypatch):
-    """Run the fast path through batched torch ops, through the per-tier CPU kernel, or (decode
-    calls of layers it covers) through the fused whole-layer kernel."""
-    import kvtier.attention.partials as partials
-    import kvtier.attention.tiered as tiered
+@pytest.fixture(params=["torch", "cpu", "fused"])
+def path(request):
+    """The backend forced (``force=``): torch ops, the per-tier CPU kernel at any row count, or the
+    fused whole-layer kernel for every call it covers (block selection: the per-tier kernel)."""
     from kvtier.kernels import cpu, fused_cpu
 
-    if request.param == "kernel" and not cpu.available():
+    if request.param == "cpu" and not cpu.available():
         pytest.skip("CPU kernel could not be built here")
     if request.param == "fused" and not fused_cpu.available():
         pytest.skip("fused CPU kernel could not be built here")
-    monkeypatch.setattr(partials, "KERNEL_MAX_ROWS", 10**6 if request.param != "torch" else -1)
-    if request.param == "kernel":
-        monkeypatch.setattr(tiered, "_fused_ok", lambda *a: False)
     return request.param
 
 
@@ -111,16 +106,17 @@ def test_fast_matches_reference(name, D, gqa, q, B, pads, path):
     layer, valid = build_layer(policy, B, H, D, [37, 11, 3, 20, 2, q], pads, seed=D * gqa + q)
     g = torch.Generator().manual_seed(1)
     query = torch.randn(B, H * gqa, q, D, generator=g)
-    check_close(layer, query, mask_for(valid, q))
+    check_close(layer, query, mask_for(valid, q), force=path)
 
 
 def test_long_query_is_split_and_still_matches(monkeypatch, path):
-    import kvtier.attention.tiered as tiered
+    from kvtier.attention import plan
 
-    monkeypatch.setattr(tiered, "SCORE_BUDGET", 200)  # force several query chunks
+    monkeypatch.setattr(plan, "SCORE_BUDGET", 200)  # the one threshold: several query chunks
     layer, valid = build_layer(POLICIES["int4+sign"], 2, 2, 16, [50, 40], [0, 13])
     query = torch.randn(2, 4, 40, 16)
-    check_close(layer, query, mask_for(valid, 40))
+    assert len(plan.plan_for(layer, query, None, path).chunks) > 1
+    check_close(layer, query, mask_for(valid, 40), force=path)
 
 
 def test_merge_of_empty_parts_is_zero_not_nan():
@@ -159,11 +155,11 @@ def test_sparse_matches_reference_on_selected_blocks(sp, name, q, path):
     layer, valid = build_layer(policy, B, H, D, [60, 21, q], [0, 11])
     query = torch.randn(B, H * gqa, q, D)
     mask = mask_for(valid, q)
-    fast = tiered_attention(layer, query, mask, 0.3)
+    fast = tiered_attention(layer, query, mask, 0.3, force=path)
     stats = layer.sparse_stats
     assert stats.pairs > 0 and 0 <= stats.valued <= stats.pairs and stats.scored <= stats.pairs
     # reference on the same layer with the dropped blocks' tokens marked invalid
-    import kvtier.attention.tiered as tiered
+    from kvtier.attention import plan
     from kvtier.attention.partials import to_rows
 
     rows = to_rows(query, H, 0.3)
@@ -194,7 +190,7 @@ def test_sparse_matches_reference_on_selected_blocks(sp, name, q, path):
             sub = reference_attention(_head_view(ref_layer, kv), query[:, h : h + 1], mask, 0.3)[:, i : i + 1]
             got = fast[:, i : i + 1, h : h + 1]
             assert (got - sub).abs().max() < 1e-4
-    assert tiered.SCORE_BUDGET > 0
+    assert plan.SCORE_BUDGET > 0
 
 
 def _head_view(layer, kv):
@@ -220,7 +216,7 @@ def _head_view(layer, kv):
 def test_sparse_skips_work_and_counts_it(path):
     policy = POLICIES["int3 all"].replace(hot_tokens=8, block_tokens=8, sparse=SparsePolicy(4, "blocks", "topk", 0.25))
     layer, valid = build_layer(policy, 1, 2, 16, [400, 1], [0])
-    tiered_attention(layer, torch.randn(1, 2, 1, 16), mask_for(valid, 1), 0.25)  # one row per KV head
+    tiered_attention(layer, torch.randn(1, 2, 1, 16), mask_for(valid, 1), 0.25, force=path)  # 1 row per KV head
     s = layer.sparse_stats.to_dict()
     assert s["skipped_fraction"] > 0.6  # ~75% of ~49 warm blocks dropped, hot/sinks kept
     assert s["bytes_read"] < 0.4 * s["bytes_total"]
@@ -291,7 +287,7 @@ def test_sparse_applies_only_to_short_calls(q, path):
     for name, pol in (("sparse", policy), ("dense", policy.replace(sparse=None))):
         layer, valid = build_layer(pol, B, H, D, [80, 13, q], [0, 5])
         query = torch.randn(B, H * 3, q, D, generator=torch.Generator().manual_seed(2)) * 3
-        out[name] = tiered_attention(layer, query, mask_for(valid, q), 0.3)
+        out[name] = tiered_attention(layer, query, mask_for(valid, q), 0.3, force=path)
         if name == "sparse":
             stats = layer.sparse_stats
     if q > sp.max_query_tokens:
@@ -310,9 +306,14 @@ def test_token_sparse_tier_matches_masked_reference(method, level, rest, name, p
     """A tier's token-sparse partial equals: exact softmax over the decoded tier, value average
     over the kept tokens only (renormalized), with the full log-sum-exp; with ``rest`` the mass
     rule counts the row's other attended mass (``rest_lse``) too."""
-    from kvtier.attention.partials import kernel_partial, tier_partial, to_rows
+    from kvtier.attention.backends import Selection
+    from kvtier.attention.backends.cpu import CpuBackend
+    from kvtier.attention.backends.torch import TorchBackend
+    from kvtier.attention.partials import to_rows
     from kvtier.attention.sparse import select_tokens
 
+    # torch: chunk-wise decoding (prefill rows) and the bit-plane path (decode rows)
+    backend = {"cpu": CpuBackend(), "torch": TorchBackend(chunked=True), "fused": TorchBackend()}[path]
     sp = SparsePolicy(local_window=0, select="tokens", method=method, level=level)
     layer, _ = build_layer(POLICIES[name].replace(value_group_size=8), 2, 2, 16, [70, 30], [0, 9])
     query = torch.randn(2, 6, 2, 16)
@@ -322,12 +323,10 @@ def test_token_sparse_tier_matches_masked_reference(method, level, rest, name, p
     for tier in (layer.cold, layer.warm):
         if tier is None or not tier.nblocks:
             continue
-        if path == "kernel":
-            start = layer.evicted + (layer.cold.ntokens if tier is layer.warm and layer.cold is not None else 0)
-            never = torch.full((rows.shape[2],), 10**9)
-            got = kernel_partial(rows, tier.fields, tier.codec, 16, select=(method, level, never, start, rest_lse))
-        else:
-            got = tier_partial(rows, tier.fields, tier.codec, 16, select=lambda f: select_tokens(f, sp, None, rest_lse))
+        start = layer.evicted + (layer.cold.ntokens if tier is layer.warm and layer.cold is not None else 0)
+        never = torch.full((rows.shape[2],), 10**9)  # no local window
+        sel = Selection("tokens", method, level, never, start, rest_lse)
+        got = backend.tier(rows, tier.fields, tier.codec, 16, sel)
         k, v, valid = tier.dense(torch.float64)
         scores = rows.double() @ k.transpose(-1, -2)
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
@@ -340,27 +339,21 @@ def test_token_sparse_tier_matches_masked_reference(method, level, rest, name, p
 
 @pytest.mark.parametrize("method,level", [("mass", 0.95), ("quantile", 0.4)])
 @pytest.mark.parametrize("name", ["int4+sign", "int3 all"])
-def test_token_sparse_kernel_equals_torch_path(method, level, name, monkeypatch):
+def test_token_sparse_kernel_equals_torch_path(method, level, name):
     """Whole-layer token-sparse attention (local window forced) is the same through the per-tier
     kernel, the fused whole-layer kernel and torch ops, and all count the same work."""
-    import kvtier.attention.partials as partials
-    import kvtier.attention.tiered as tiered
     from kvtier.kernels import cpu, fused_cpu
 
     if not (cpu.available() and fused_cpu.available()):
         pytest.skip("CPU kernels could not be built here")
     policy = POLICIES[name].replace(value_group_size=8, sparse=SparsePolicy(12, "tokens", method, level))
     results = {}
-    fused_ok = tiered._fused_ok
-    for p in ("torch", "kernel", "fused"):
-        monkeypatch.setattr(partials, "KERNEL_MAX_ROWS", -1 if p == "torch" else 10**6)
-        monkeypatch.setattr(tiered, "_fused_ok", fused_ok if p == "fused" else lambda *a: False)
+    for p in ("torch", "cpu", "fused"):
         layer, valid = build_layer(policy, 2, 2, 16, [90, 17, 1], [0, 21])
-        out = tiered_attention(
-            layer, torch.randn(2, 6, 1, 16, generator=torch.Generator().manual_seed(3)), mask_for(valid, 1), 0.3
-        )
+        query = torch.randn(2, 6, 1, 16, generator=torch.Generator().manual_seed(3))
+        out = tiered_attention(layer, query, mask_for(valid, 1), 0.3, force=p)
         results[p] = (out, layer.sparse_stats.to_dict())
-    for p in ("kernel", "fused"):
+    for p in ("cpu", "fused"):
         assert (results["torch"][0] - results[p][0]).abs().max() < 1e-4
         assert results["torch"][1] == results[p][1]
     assert results["fused"][1]["value_skipped_fraction"] > 0
@@ -434,12 +427,11 @@ FIXED_SHAPES = {  # warm bits, cold mode: every code width of the fused kernel's
 def test_fused_fixed_shape_paths_match_reference(name, D, groups, q, monkeypatch):
     """Head dims 64 and 128 take the fused kernel's compiled (bits, D) paths: the same oracle
     bound as every other path, batch 2 with left padding, GQA 3, lengths off the block grid."""
-    import kvtier.attention.partials as partials
+    from kvtier.attention.plan import plan_for
     from kvtier.kernels import fused_cpu
 
     if not fused_cpu.available():
         pytest.skip("fused CPU kernel could not be built here")
-    monkeypatch.setattr(partials, "KERNEL_MAX_ROWS", 16)
     policy = TierPolicy(
         hot_tokens=9,
         warm_tokens=21,
@@ -452,6 +444,7 @@ def test_fused_fixed_shape_paths_match_reference(name, D, groups, q, monkeypatch
     layer, valid = build_layer(policy, 2, 2, D, [61, 13, 2, q], [0, 9], seed=D + q)
     assert layer.cold.nblocks and layer.warm.nblocks
     query = torch.randn(2, 6, q, D, generator=torch.Generator().manual_seed(q)) * 0.5
+    assert all(c.fused for c in plan_for(layer, query).chunks), "the automatic plan takes the fused kernel"
     calls = []
     real = fused_cpu.layer_attention
     monkeypatch.setattr(fused_cpu, "layer_attention", lambda *a: calls.append(1) or real(*a))
@@ -461,10 +454,9 @@ def test_fused_fixed_shape_paths_match_reference(name, D, groups, q, monkeypatch
 
 @pytest.mark.parametrize("method,level", [("mass", 0.9), ("quantile", 0.3)])
 @pytest.mark.parametrize("D", [64, 128])
-def test_fused_token_sparse_equals_per_tier_kernel(method, level, D, monkeypatch):
+def test_fused_token_sparse_equals_per_tier_kernel(method, level, D):
     """Token selection in the fused kernel's compiled paths keeps the same tokens as the per-tier
     kernel (same output, same work counts), with the exact tokens counted in the row's mass."""
-    import kvtier.attention.tiered as tiered
     from kvtier.kernels import cpu, fused_cpu
 
     if not (cpu.available() and fused_cpu.available()):
@@ -479,15 +471,14 @@ def test_fused_token_sparse_equals_per_tier_kernel(method, level, D, monkeypatch
         sparse=SparsePolicy(16, "tokens", method, level),
         layer_overrides={},
     )
-    fused_ok = tiered._fused_ok
     results = {}
-    for p in ("kernel", "fused"):
-        monkeypatch.setattr(tiered, "_fused_ok", fused_ok if p == "fused" else lambda *a: False)
+    for p in ("cpu", "fused"):
         layer, valid = build_layer(policy, 2, 3, D, [300, 5, 1], [0, 40])
         query = torch.randn(2, 9, 1, D, generator=torch.Generator().manual_seed(5))
-        results[p] = (tiered_attention(layer, query, mask_for(valid, 1), D**-0.5), layer.sparse_stats.to_dict())
-    assert (results["kernel"][0] - results["fused"][0]).abs().max() < 1e-5
-    assert results["kernel"][1] == results["fused"][1]
+        out = tiered_attention(layer, query, mask_for(valid, 1), D**-0.5, force=p)
+        results[p] = (out, layer.sparse_stats.to_dict())
+    assert (results["cpu"][0] - results["fused"][0]).abs().max() < 1e-5
+    assert results["cpu"][1] == results["fused"][1]
     assert results["fused"][1]["value_skipped_fraction"] > 0.3
 
 

@@ -42,7 +42,7 @@ from kvtier.attention.reference import reference_attention  # noqa: E402
 from kvtier.attention.tiered import _hot_allowed, tiered_attention  # noqa: E402
 from kvtier.cache.codecs import KBitCodec, SignCodec  # noqa: E402
 from kvtier.cache.layer import TieredLayer  # noqa: E402
-from kvtier.kernels import dispatch, prefill  # noqa: E402
+from kvtier.kernels import dispatch  # noqa: E402
 from kvtier.kernels import triton_decode as td  # noqa: E402
 from kvtier.quant import rotation, unpack_bits  # noqa: E402
 
@@ -326,36 +326,6 @@ def test_decode_step_merges_like_torch(name, gqa):
     fast32 = tiered_attention(layer, query, mask, 0.3)
     e_kernel, e_torch = ((x.double() - ref64).abs().max().item() for x in (got, fast32))
     assert e_kernel <= 2 * e_torch + FLOOR, (e_kernel, e_torch)
-
-
-# --- prefill ------------------------------------------------------------------------------------------
-
-
-def test_prefill_lse_merges_with_prefix():
-    """A causal chunk (prefill) merged with its prefix by lse equals causal attention over both."""
-    B, Hq, Hkv, L, P, D = 2, 4, 2, 6, 9, 16
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(B, Hq, L, D, generator=g)
-    k = torch.randn(B, Hkv, P + L, D, generator=g)
-    v = torch.randn(B, Hkv, P + L, D, generator=g)
-    padding = torch.arange(P + L)[None, :] >= torch.tensor([0, 4])[:, None]
-    out, lse = prefill.prefill_attention(q, k, v, 0.25, causal=True, padding=padding)
-    ref_out, ref_lse = prefill.attention_lse(q.double(), k.double(), v.double(), 0.25, True, padding)
-    assert out.shape == (B, Hq, L, D) and lse.shape == (B, Hq, L)
-    assert (out - ref_out).abs().max() < 1e-5 and (lse - ref_lse).abs().max() < 1e-5
-    # chunk (causal over its own keys) + prefix (all visible) == the whole
-    rows = to_rows(q, Hkv, 0.25)
-    chunk_out, chunk_lse = prefill.prefill_attention(q, k[:, :, P:], v[:, :, P:], 0.25, padding=padding[:, P:])
-    grp = Hq // Hkv
-    chunk = Partial(chunk_out.reshape(B, Hkv, grp * L, D), chunk_lse.reshape(B, Hkv, grp * L))
-    prefix = exact_partial(rows, k[:, :, :P], v[:, :, :P], padding[:, None, None, :P])
-    merged = merge([prefix, chunk]).reshape(B, Hq, L, D)
-    assert (merged - ref_out).abs().max() < 1e-5
-    # a row that attends nothing: zeros and -inf, not NaN
-    out, lse = prefill.prefill_attention(
-        q[:, :, :1], k[:, :, :3], v[:, :, :3], 0.25, causal=False, padding=padding[:, :3]
-    )
-    assert torch.isinf(lse[1]).all() and (out[1] == 0).all() and torch.isfinite(lse[0]).all()
 
 
 # --- packaging ----------------------------------------------------------------------------------------

@@ -236,7 +236,20 @@ def _setup(args: argparse.Namespace):
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
     specs = usable_specs(model, args.caches, log=lambda m: print(m, file=sys.stderr))
-    return model, tok, texts, specs
+    return model, tok, texts, _forced(specs, args.attention, model)
+
+
+def _forced(specs: list, attention: str, model) -> list:
+    """``--attention``: the kvtier caches that run the automatic plan run the forced backend instead
+    (a backend that cannot run here is refused before the run; ``:reference``/``:per-tier`` names keep theirs)."""
+    if attention == "auto":
+        return specs
+    import dataclasses
+
+    from .attention.plan import check_force
+
+    check_force(attention, next(model.parameters()).device)
+    return [dataclasses.replace(s, attention=attention) if s.is_tiered and s.attention == "fast" else s for s in specs]
 
 
 def _finish(kind: str, rows: list, config: dict, args: argparse.Namespace, out: str | None = None) -> int:
@@ -271,6 +284,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     model, tok, texts, specs = _setup(args)
     config = {"model": args.model, "caches": [s.name for s in specs], "texts": list(texts), "contexts": args.contexts}
+    config["attention"] = args.attention
     if args.task in ("ppl", "fidelity"):
         config.update(chunk=args.chunk, score_chunk=args.score_chunk, windows=args.windows)
 
@@ -334,6 +348,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "contexts": args.contexts,
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,
+        "attention": args.attention,
     }
     _finish("bench", rows, config, args)
     summary = {r["cache"] + f"@{r['context']}": round(r["decode_tok_s_ratio"], 3) for r in rows}
@@ -361,6 +376,12 @@ def _common(p: argparse.ArgumentParser, contexts: str) -> None:
     p.add_argument("--threads", type=_positive, default=max(1, min(2, torch.get_num_threads())))
     p.add_argument("--out", help="results JSON path (default results/<kind>-<time>.json)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "reference", "torch", "cpu", "fused", "triton"],
+        help="backend of the kvtier caches (auto: the plan picks per step; see kvtier.attention.plan)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

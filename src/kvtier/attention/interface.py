@@ -2,7 +2,7 @@
 
 It has transformers' attention-function signature but imports nothing of transformers: the
 registration, ``enable`` and ``disable`` live in the adapter (:mod:`kvtier.hf.attention`).
-May import: torch, ``kvtier.cache.state``, ``kvtier.attention`` (mask, reference, tiered).
+May import: torch, ``kvtier.cache.state``, ``kvtier.attention`` (mask, tiered).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from ..cache.state import HANDLE_KEY, LayerState
 from .mask import KVMask
-from .reference import reference_attention
 from .tiered import tiered_attention
 
 
@@ -59,10 +58,7 @@ def kvtier_attention(
     if attention_mask is not None and not isinstance(attention_mask, KVMask):
         raise NotImplementedError("tiered layers need kvtier's mask function; got a precomputed mask tensor")
     try:
-        if layer.attention == "reference":
-            out = reference_attention(layer, query, attention_mask, scaling)
-        else:
-            out = tiered_attention(layer, query, attention_mask, scaling)
+        out = tiered_attention(layer, query, attention_mask, scaling)  # the plan picks the path
     except BaseException as err:  # undo this call's changes to the cache, then let it through
         layer.abort(err)
         raise

@@ -43,6 +43,8 @@ class KVMask:
     device: Any = "cpu"
     _extra: dict = field(default_factory=dict, repr=False)
     _dense: torch.Tensor | None = field(default=None, repr=False)
+    #: attention plans of this call per layer layout (:func:`kvtier.attention.plan.plan_for`)
+    plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     def dense(self) -> torch.Tensor:
         """bool ``[B, 1, q_length, kv_length]`` (True = attend), built once."""

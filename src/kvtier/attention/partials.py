@@ -196,75 +196,8 @@ def packed_partial(
     return Partial(out @ r.T if r is not None else out, lse)
 
 
-#: Query rows per KV head up to which the fused CPU kernel is used (decode); longer chunks
-#: (prefill) go to batched matmuls, which amortize better over many rows.
-KERNEL_MAX_ROWS = 16
-
-
-def kernel_partial(
-    rows: torch.Tensor,
-    fields: dict[str, torch.Tensor],
-    codec: Codec,
-    dim: int,
-    blocks: torch.Tensor | None = None,
-    row_mask: torch.Tensor | None = None,
-    select: tuple | None = None,
-) -> Partial:
-    """The fused kernel over a tier (all blocks, or the ``blocks [B,H,k]`` listed): C++ on CPU, Triton on CUDA.
-
-    ``select`` (CPU kernel only) is token selection, see :func:`kvtier.kernels.cpu.packed_attention`.
-    """
-    if rows.is_cuda:
-        from ..kernels import dispatch
-
-        return Partial(*dispatch.gpu_partial(rows, fields, codec, dim, blocks, row_mask))
-    from ..kernels import cpu
-
-    ka, kb, va, vb, kc, vc = codec.affine(fields)
-    r = rotation(dim, rows.device) if codec.rotate else None
-    q = rows @ r if r is not None else rows
-    out, lse, counts = cpu.packed_attention(
-        q, kc, ka, kb, vc, va, vb, fields["valid"].squeeze(1), codec.bits, dim, blocks, row_mask, select
-    )
-    return Partial(out @ r.T if r is not None else out, lse, counts)
-
-
-def use_kernel(rows: torch.Tensor) -> bool:
-    if not (rows.is_cpu or rows.is_cuda) or rows.shape[2] > KERNEL_MAX_ROWS:
-        return False
-    if rows.is_cuda:  # Triton, imported lazily
-        from ..kernels import dispatch
-
-        return dispatch.available()
-    from ..kernels import cpu
-
-    return cpu.available()
-
-
-#: Tokens decoded at a time by :func:`chunked_partial`.
-DECODE_CHUNK_TOKENS = 1024
-
-
-def _flash_lse_op():
-    """torch's fused CPU flash attention that also returns the log-sum-exp (a private aten op:
-    used when present and behaving as expected, else None and the plain path is taken)."""
-    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if op is None:
-        return None
-    try:
-        q, k = torch.ones(1, 1, 2, 8), torch.ones(1, 1, 3, 8)
-        out, lse = op(q, k, k, 0.0, False, attn_mask=torch.zeros(1, 1, 1, 3), scale=1.0)[:2]
-        ok = lse.shape == (1, 1, 2) and torch.allclose(lse, torch.full_like(lse, 8 + torch.log(torch.tensor(3.0))))
-    except (RuntimeError, TypeError):
-        return None
-    return op if ok else None
-
-
-_FLASH_LSE = _flash_lse_op()
-
-
-def _flash_chunks(rows, fields, codec, dim: int, step: int) -> Partial:
-    """Per chunk of decoded blocks: fused flash attention with lse, then the LSE merge."""
+def _flash_chunks(rows, fields, codec, dim: int, step: int, flash) -> Partial:
+    """Per chunk of decoded blocks: ``flash`` (fused flash attention with lse), then the LSE merge."""
     B, H, R, D = rows.shape
     parts = []
     for c in range(0, fields["valid"].shape[2], step):
@@ -273,7 +206,7 @@ def _flash_chunks(rows, fields, codec, dim: int, step: int) -> Partial:
         v = codec.decode_values(f, dim, torch.float32).reshape(B, H, -1, D)
         valid = f["valid"].reshape(B, 1, 1, -1)
         bias = torch.zeros(valid.shape).masked_fill_(~valid, NEG_INF)
-        out, lse = _FLASH_LSE(rows, k, v, 0.0, False, attn_mask=bias, scale=1.0)[:2]
+        out, lse = flash(rows, k, v, 0.0, False, attn_mask=bias, scale=1.0)[:2]
         empty = ~valid.any(-1)  # [B,1,1]: the op reports lse 0 for rows with nothing to attend
         parts.append(Partial(out.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, NEG_INF)))
     return Partial(merge(parts), torch.logsumexp(torch.stack([p.lse for p in parts]), 0))
@@ -286,16 +219,20 @@ def chunked_partial(
     dim: int,
     block_mask: torch.Tensor | None = None,
     select=None,
+    *,
+    chunk_tokens: int,
+    flash=None,
 ) -> Partial:
     """Attention over a tier for many query rows (prefill chunks): keys, then values, are decoded
-    ``DECODE_CHUNK_TOKENS`` at a time and multiplied in dense GEMMs, which beats reading the packed
+    ``chunk_tokens`` at a time and multiplied in dense GEMMs, which beats reading the packed
     codes per row when rows are many; the tier is never decoded as a whole. Same semantics as
-    :func:`packed_partial` (``block_mask``, ``select``)."""
+    :func:`packed_partial` (``block_mask``, ``select``). ``flash``: torch's CPU flash op with lse
+    (the plan's probe), used per decoded chunk when nothing is selected."""
     B, H, R, D = rows.shape
     n, T = fields["valid"].shape[2:4]
-    step = max(1, DECODE_CHUNK_TOKENS // T)
-    if block_mask is None and select is None and rows.is_cpu and _FLASH_LSE is not None:
-        return _flash_chunks(rows, fields, codec, dim, step)
+    step = max(1, chunk_tokens // T)
+    if block_mask is None and select is None and flash is not None:
+        return _flash_chunks(rows, fields, codec, dim, step, flash)
     scores = torch.empty(B, H, R, n * T, device=rows.device)
     for c in range(0, n, step):
         f = {name: t[:, :, c : c + step] for name, t in fields.items()}
@@ -316,15 +253,3 @@ def chunked_partial(
         v = codec.decode_values(f, dim, torch.float32)
         out += p[..., c * T : (c + step) * T] @ v.reshape(B, H, -1, D)
     return Partial(out, lse)
-
-
-def tier_partial(rows, fields, codec, dim, block_mask=None, select=None) -> Partial:
-    """Attention over a whole tier: the fused kernel for few rows (decode), chunked decoding + GEMMs
-    for many rows (prefill), the bit-plane torch path otherwise."""
-    if codec.AFFINE is None:  # codes the kernels cannot read: decode chunk by chunk
-        return chunked_partial(rows, fields, codec, dim, block_mask, select)
-    if block_mask is None and select is None and use_kernel(rows):
-        return kernel_partial(rows, fields, codec, dim)
-    if rows.shape[2] > KERNEL_MAX_ROWS:
-        return chunked_partial(rows, fields, codec, dim, block_mask, select)
-    return packed_partial(rows, fields, codec, dim, block_mask, select)

@@ -56,8 +56,9 @@ ATTENTION_NAME = "kvtier"
 HANDLE_KEY = "tiered_layer"
 #: "fast" reads the packed tiers directly (decode: one fused C++ call per layer on the CPU);
 #: "per-tier" the same without the fused call (a partial per tier, merged in torch);
-#: "reference" decodes each tier and runs SDPA (the oracle).
-ATTENTION_PATHS = ("fast", "per-tier", "reference")
+#: "reference" decodes each tier and runs SDPA (the oracle); "torch", "cpu", "fused", "triton"
+#: force that backend (kvtier.attention.plan, which reads this setting, says what each does).
+ATTENTION_PATHS = ("fast", "per-tier", "reference", "torch", "cpu", "fused", "triton")
 
 #: Count of kvtier masks built so far: transformers builds a model's mask once per forward call,
 #: before any layer runs, so a cache sees this change between forward calls exactly when the
@@ -157,11 +158,6 @@ class LayerState:
     def owner(self) -> Any:
         """The :class:`~kvtier.TieredCache` this layer belongs to (None for a layer used alone)."""
         return None if self._owner is None else self._owner()
-
-    @property
-    def fused(self) -> bool:
-        """Whether decode calls may take the fused whole-layer kernel (``attention="fast"``)."""
-        return self.attention == "fast"
 
     # --- cache-layer interface (what transformers calls) ------------------------------------
     def reset(self) -> None:

@@ -62,8 +62,10 @@ class TieredCache(Cache):
     config : the model's config (``model.config``) or the model itself.
     policy : a preset name (see ``kvtier.PRESETS``) or a :class:`TierPolicy`.
     attention : ``"fast"`` (attention on the packed data; decode on the CPU in one fused call per
-        layer), ``"per-tier"`` (the same, one partial per tier merged in torch) or ``"reference"``
-        (each tier decoded to dense K/V for one SDPA call; the oracle the fast paths are tested against).
+        layer), ``"per-tier"`` (the same, one partial per tier merged in torch), ``"reference"``
+        (each tier decoded to dense K/V for one SDPA call; the oracle the fast paths are tested against),
+        or a backend to force: ``"torch"``, ``"cpu"``, ``"fused"``, ``"triton"`` (see
+        :mod:`kvtier.attention.plan`; a forced backend that cannot run raises at the first call).
     max_bytes : cap on the bytes the cache holds after every call (see the module doc), or None.
     on_full : ``"error"`` (raise :class:`~kvtier.CacheFullError`, cache unchanged) or ``"evict"``
         (drop the oldest non-sink blocks) when a call would exceed ``max_bytes``.

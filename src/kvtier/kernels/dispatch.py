@@ -1,7 +1,8 @@
 """GPU dispatch: per-tier attention on CUDA tensors through the Triton kernels.
 
-:mod:`kvtier.attention.partials` calls :func:`gpu_partial` for rows on a CUDA device when
-:func:`available` is True; everywhere else the torch path (and the C++ CPU kernel) stays the path
+:mod:`kvtier.attention.backends.triton` calls :func:`gpu_partial` (packed tiers) and
+:func:`gpu_exact` (sinks, hot tokens) when the attention plan picks Triton (CUDA tensors and
+:func:`available`); everywhere else the torch backend (and the C++ CPU kernels) stays the path
 and the reference. Triton is imported on first use only, so CPU-only use of kvtier never imports it.
 The functions here also run on CPU tensors under Triton's interpreter, which is how they are tested.
 """
@@ -28,11 +29,6 @@ def available() -> bool:
     return True
 
 
-def use_triton(rows: torch.Tensor) -> bool:
-    """Whether attention of ``rows`` goes through the Triton kernels (CUDA tensors, Triton present)."""
-    return rows.is_cuda and available()
-
-
 def gpu_partial(
     rows: torch.Tensor,
     fields: dict[str, torch.Tensor],
@@ -43,7 +39,7 @@ def gpu_partial(
     *,
     num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over one tier read from its stored fields (:func:`~kvtier.attention.partials.kernel_partial`'s
+    """Attention over one tier read from its stored fields (the Triton backend's
     contract).
 
     Parameters

@@ -22,15 +22,13 @@ from __future__ import annotations
 import torch
 
 from ..attention.mask import KVMask
-from ..attention.partials import Partial, exact_partial, from_rows, merge, tier_partial, to_rows
+from ..attention.partials import Partial, exact_partial, from_rows, merge, to_rows
+from ..attention.plan import AttentionPlan, ChunkPlan, plan_for
 from ..cache.state import LayerState
 from ..indexing import hot_rows_allowed
 from ..policy import OffloadPolicy
 from .sketch import block_lse
 from .tier import OffloadTier
-
-#: Max score elements (rows x tokens) per pass; longer query chunks are split (as the fast path).
-SCORE_BUDGET = 1 << 23
 
 
 def select_offloaded(
@@ -69,7 +67,7 @@ def select_offloaded(
 
 
 def _cold_partials(
-    tier: OffloadTier, rows: torch.Tensor, row_pos: torch.Tensor, resident: list[Partial], start: int
+    tier: OffloadTier, rows: torch.Tensor, row_pos: torch.Tensor, resident: list[Partial], start: int, kernel: bool
 ) -> list[Partial]:
     """Select, fetch and attend the offloaded blocks for ``rows [B,H,R,D]``: one exact partial per
     source of :meth:`OffloadTier.gather` (staged hits, synchronous misses), each row masked to the
@@ -77,7 +75,7 @@ def _cold_partials(
     policy = tier.policy
     T = tier.block_tokens
     B, H, R, D = rows.shape
-    scores = block_lse(rows, tier.fields, tier.sketch)  # [B,H,R,n]
+    scores = block_lse(rows, tier.fields, tier.sketch, kernel)  # [B,H,R,n]
     forced = None
     if policy.local_window:
         ends = start + T * torch.arange(1, tier.nblocks + 1, device=rows.device)
@@ -100,40 +98,46 @@ def _cold_partials(
     return parts
 
 
-def _attend(layer: LayerState, query: torch.Tensor, q_pos: torch.Tensor, padding, scaling: float) -> torch.Tensor:
+def _attend(
+    layer: LayerState, query: torch.Tensor, q_pos: torch.Tensor, padding, scaling: float, chunk: ChunkPlan
+) -> torch.Tensor:
     B, Hq, q, D = query.shape
     H = layer.kv_heads
     rows = to_rows(query, H, scaling)
     tier = layer.cold
     parts: list[Partial] = []
     if layer.sinks.k is not None:
-        parts.append(exact_partial(rows, layer.sinks.k, layer.sinks.v, layer.sinks.valid()[:, None, None, :]))
+        parts.append(chunk.exact.exact(rows, layer.sinks.k, layer.sinks.v, layer.sinks.valid()[:, None, None, :]))
     if layer.warm is not None and layer.warm.nblocks:
-        parts.append(tier_partial(rows, layer.warm.fields, layer.warm.codec, D))
+        warm = layer.warm
+        parts.append(chunk.backend(warm.codec).tier(rows, warm.fields, warm.codec, D))
     hk, hv = layer.hot.view()
-    parts.append(exact_partial(rows, hk, hv, hot_rows_allowed(layer, q_pos, padding, Hq // H)))
+    parts.append(chunk.exact.exact(rows, hk, hv, hot_rows_allowed(layer, q_pos, padding, Hq // H)))
     if tier.nblocks:
-        parts += _cold_partials(tier, rows, q_pos.repeat(Hq // H), parts, layer.evicted)
+        parts += _cold_partials(tier, rows, q_pos.repeat(Hq // H), parts, layer.evicted, chunk.sketch_kernel)
     return from_rows(merge(parts), Hq, q)
 
 
-def offload_attention(layer: LayerState, query: torch.Tensor, mask: KVMask | None, scaling: float) -> torch.Tensor:
-    """Attention of ``query [B, Hq, q, D]`` over a layer with an offloaded cold tier -> ``[B, q, Hq, D]``."""
+def offload_attention(
+    layer: LayerState, query: torch.Tensor, mask: KVMask | None, scaling: float, plan: AttentionPlan | None = None
+) -> torch.Tensor:
+    """Attention of ``query [B, Hq, q, D]`` over a layer with an offloaded cold tier -> ``[B, q, Hq, D]``,
+    in the query chunks and with the backends of ``plan`` (default: the call's plan, see
+    :func:`kvtier.attention.plan.plan_for`)."""
     if mask is not None and not mask.causal:
         raise NotImplementedError("tiered layers support causal (+ padding) masks only")
     tier = layer.cold
     assert isinstance(tier, OffloadTier)
     padding = None if mask is None else mask.padding
-    B, Hq, q, D = query.shape
-    first = layer.seen - q
-    tokens = layer.seen - layer.evicted
-    step = max(1, SCORE_BUDGET // max(1, tokens * Hq // layer.kv_heads))
+    if plan is None:
+        plan = plan_for(layer, query, mask)
+    first = layer.seen - query.shape[2]
     tier.offloader.begin(tier)
     try:
         outs = []
-        for s in range(0, q, step):
-            q_pos = first + torch.arange(s, min(s + step, q), device=query.device)
-            outs.append(_attend(layer, query[:, :, s : s + step], q_pos, padding, scaling))
+        for c in plan.chunks:
+            q_pos = first + torch.arange(c.start, c.stop, device=query.device)
+            outs.append(_attend(layer, query[:, :, c.start : c.stop], q_pos, padding, scaling, c))
     finally:
         tier.end_step()
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

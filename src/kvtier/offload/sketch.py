@@ -30,8 +30,6 @@ from ..quant import pack_bits, packed_size, quantize_sign, rotation, unpack_bits
 _FP16 = 2
 #: Blocks scored per pass of the torch path: bounds its transient unpacked sketch.
 CHUNK_BLOCKS = 32
-#: Query rows per KV head up to which the C++ kernel scores (decode); more rows use batched matmuls.
-KERNEL_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -104,19 +102,13 @@ def block_lse_torch(rows: torch.Tensor, fields: dict[str, torch.Tensor], sketch:
     return lse.transpose(2, 3)
 
 
-def use_kernel(rows: torch.Tensor) -> bool:
-    if not rows.is_cpu or rows.shape[2] > KERNEL_MAX_ROWS:
-        return False
-    from ..kernels import sketch_cpu
-
-    return sketch_cpu.available()
-
-
-def block_lse(rows: torch.Tensor, fields: dict[str, torch.Tensor], sketch: KeySketch) -> torch.Tensor:
+def block_lse(
+    rows: torch.Tensor, fields: dict[str, torch.Tensor], sketch: KeySketch, kernel: bool = False
+) -> torch.Tensor:
     """Estimated log mass per block: ``rows [B,H,R,D]`` (fp32, scaled) -> ``[B,H,R,n]`` (``-inf``: no
-    valid token). The C++ kernel for few rows on CPU, else batched torch ops; no full-length
-    unpacked sketch is built either way."""
-    if not use_kernel(rows):
+    valid token). ``kernel``: the C++ kernel (CPU tensors; the attention plan decides, for few rows),
+    else batched torch ops; no full-length unpacked sketch is built either way."""
+    if not kernel:
         return block_lse_torch(rows, fields, sketch)
     from ..kernels import sketch_cpu
 
