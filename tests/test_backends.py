@@ -282,3 +282,29 @@ def test_automatic_plan_on_cpu():
     assert prefill.chunks[0].rows == 27 > plan_mod.KERNEL_MAX_ROWS
     per_tier, _ = build_layer(POLICIES["int4+sign"], 2, 2, 16, [50, 9], [0, 9], attention="per-tier")
     assert not plan_mod.plan_for(per_tier, torch.randn(2, 6, 1, 16)).chunks[0].fused
+
+
+def test_cli_attention_option_forces_the_tiered_caches(model):
+    """``kvtier eval|bench --attention NAME``: every kvtier cache on the automatic plan runs NAME;
+    baselines and explicit ``:reference`` / ``:per-tier`` caches keep theirs; an unknown name is an
+    argparse error and a backend that cannot run is refused before the run."""
+    from kvtier.cli import _forced, build_parser
+    from kvtier.eval.caches import cache_spec
+
+    args = build_parser().parse_args(["bench", "--caches", "default", "--attention", "cpu"])
+    assert args.attention == "cpu"
+    assert build_parser().parse_args(["eval", "ppl"]).attention == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--attention", "flash"])
+    specs = [cache_spec(n) for n in ("dynamic", "default", "default:reference", "chat")]
+    _usable("torch")
+    got = {s.name: s.attention for s in _forced(specs, "torch", model)}
+    assert got == {"dynamic": "fast", "default": "torch", "default:reference": "reference", "chat": "torch"}
+    assert _forced(specs, "auto", model) is specs
+
+    class OnMeta:  # a model whose weights are on a device no backend but torch runs on
+        def parameters(self):
+            return iter([torch.empty(0, device="meta")])
+
+    with pytest.raises(ValueError, match="'triton' needs CUDA tensors"):
+        _forced(specs, "triton", OnMeta())

@@ -9,6 +9,10 @@ Packed tiers are never dequantized as a whole. Scores against k-bit keys use the
 layout: ``q . ((c - z) * s) = (q * s) . c - (q * s) . z``, and codes are read one bit-plane
 slice at a time (a 4-bit code is two slices of ``D / 2`` channels), each a transient of
 ``T x D / per`` values; the same holds for values.
+
+These are the torch backend's maths (:mod:`kvtier.attention.backends.torch`) and the merge every
+backend's partials go through; which function runs for which segment is the plan's choice
+(:mod:`kvtier.attention.plan`), never made here.
 """
 
 from __future__ import annotations
