@@ -160,8 +160,10 @@ class LayerState:
 
     @property
     def fused(self) -> bool:
-        """Whether decode calls may take the fused whole-layer kernel (``attention="fast"``)."""
-        return self.attention == "fast"
+        """Whether decode calls may take the fused whole-layer kernel (``attention="fast"``, and every
+        tier's codes affine: the kernel reads no others, e.g. fp8, whose tiers go per tier)."""
+        codecs = [getattr(t, "codec", None) for t in (self.warm, self.cold)]
+        return self.attention == "fast" and all(c is None or c.AFFINE is not None for c in codecs)
 
     # --- cache-layer interface (what transformers calls) ------------------------------------
     def reset(self) -> None:
