@@ -129,7 +129,7 @@ CASES = [
     raises("hot str", policy(TierPolicy, hot_tokens="128"), ValueError, "hot_tokens='128'"),
     raises("warm huge", policy(TierPolicy, warm_tokens=1 << 25), ValueError, "warm_tokens=33554432", "None"),
     raises("warm not multiple", policy(TierPolicy, warm_tokens=100), ValueError, "warm_tokens=100", "block_tokens"),
-    raises("warm_bits 5", policy(TierPolicy, warm_bits=5), ValueError, "warm_bits=5", "(2, 3, 4, 6, 8)"),
+    raises("warm_bits 5", policy(TierPolicy, warm_bits=5), ValueError, "warm_bits=5", "(2, 3, 4, 6, 8, 'fp8')"),
     raises("warm_bits float", policy(TierPolicy, warm_bits=4.0), ValueError, "warm_bits=4.0"),
     raises("warm_bits bool", policy(TierPolicy, warm_bits=True), ValueError, "warm_bits=True"),
     raises("sink huge", policy(TierPolicy, sink_tokens=1 << 17), ValueError, "sink_tokens=131072", "65536"),

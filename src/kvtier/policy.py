@@ -7,9 +7,10 @@ past generous upper bounds (``MAX_*``) are refused. Tokens of a sequence live in
   StreamingLLM https://arxiv.org/abs/2309.17453);
 * **hot** - the most recent ``hot_tokens`` (up to ``hot_tokens + block_tokens - 1``), exact;
 * **warm** - the next ``warm_tokens``, ``warm_bits`` group quantization (keys per channel over a
-  block of ``block_tokens`` tokens, values per token over ``value_group_size`` channels);
+  block of ``block_tokens`` tokens, values per token over ``value_group_size`` channels): k-bit
+  integer codes, or ``"fp8"`` for e4m3 codes with the same scale layout;
 * **cold** - everything older: ``cold="sign"`` 1-bit centered signs with a scale, ``"quant"``
-  ``cold_bits`` group quantization, or ``"evict"`` (dropped, as in a sink + window cache).
+  ``cold_bits`` group quantization (k-bit or ``"fp8"``), or ``"evict"`` (dropped, as in a sink + window cache).
 
 Tokens move hot -> warm -> cold a block at a time and are quantized once per move.
 ``layer_overrides`` maps layer indices (negative ones count from the end) to another policy or a
@@ -22,8 +23,8 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-WARM_BITS = (2, 3, 4, 6, 8)
-COLD_BITS = (2, 3, 4, 6, 8)
+WARM_BITS = (2, 3, 4, 6, 8, "fp8")
+COLD_BITS = (2, 3, 4, 6, 8, "fp8")
 COLD_MODES = ("sign", "quant", "evict", "offload")
 OFFLOAD_BACKENDS = ("cpu", "disk")
 STORE_BITS = (None, 8, 4)
@@ -232,11 +233,13 @@ class TierPolicy:
     hot_tokens : exact recent tokens (at most 2**20); ``None`` keeps every token exact (no compression).
     warm_tokens : tokens in the warm tier after hot (at most 2**24); ``None`` = unbounded (no cold
         tier). A multiple of ``block_tokens``.
-    warm_bits : bit width of the warm tier, one of 2, 3, 4, 6, 8.
+    warm_bits : code of the warm tier: a bit width, one of 2, 3, 4, 6, 8, or ``"fp8"`` (e4m3 codes with
+        fp16 scales in the same layout; attention decodes fp8 tiers chunk by chunk, dense only, so
+        ``sparse`` must be None with an fp8 tier).
     sink_tokens : first real tokens of each row kept exact for good (at most 2**16).
     cold : ``"sign"`` (1-bit), ``"quant"`` (``cold_bits``-bit), ``"evict"``, or ``"offload"``
         (exact blocks in a block store, a 1-bit key sketch resident: see ``offload``).
-    cold_bits : bit width when ``cold == "quant"``.
+    cold_bits : bit width (or ``"fp8"``) when ``cold == "quant"``.
     cold_rotation : randomized Hadamard rotation of K and V before the cold code, the 1-bit sign
         or the ``cold_bits`` k-bit one (default: on; on SmolLM2 it cuts the perplexity cost of the
         seed's 1-bit cold tier from +8.5% to +3.9%).
@@ -254,10 +257,10 @@ class TierPolicy:
 
     hot_tokens: int | None = 128
     warm_tokens: int | None = 1024
-    warm_bits: int = 4
+    warm_bits: int | str = 4
     sink_tokens: int = 32
     cold: str = "sign"
-    cold_bits: int = 2
+    cold_bits: int | str = 2
     cold_rotation: bool = True
     block_tokens: int = 64
     value_group_size: int = 64
@@ -293,6 +296,9 @@ class TierPolicy:
             "a SparsePolicy or None",
         )
         self._check_offload()
+        if self.sparse is not None and self.hot_tokens is not None:
+            fp8 = self.warm_bits == "fp8" or (self.cold == "quant" and self.cold_bits == "fp8")
+            _check(not fp8, "sparse", self.sparse, "None with an fp8 tier (sparse selection reads affine codes only)")
         _check(isinstance(self.layer_overrides, Mapping), "layer_overrides", self.layer_overrides, "a dict")
         overrides = LayerOverrides(self.layer_overrides)  # a snapshot: later edits of the caller's dict do nothing
         for idx, sub in overrides.items():
@@ -401,6 +407,14 @@ def _code() -> TierPolicy:
     )
 
 
+def _fp8() -> TierPolicy:
+    # The format transformers' and vLLM's fp8 KV caches use (e4m3), with finer scales: one per
+    # channel per 64-token block for keys, one per token per 64 channels for values. No cold tier,
+    # no sparse attention (the decode kernels read affine codes only; fp8 tiers are decoded chunk by
+    # chunk). Measured in BENCHMARKS.md ("fp8").
+    return _default().replace(warm_tokens=None, warm_bits="fp8", cold="evict", sparse=None, name="fp8")
+
+
 def _kivi2() -> TierPolicy:
     return TierPolicy(
         hot_tokens=128,
@@ -466,6 +480,7 @@ PRESETS: dict[str, _Preset] = {
     ),
     "code": ("6-bit warm, hot 256, sparse mass 0.99 beyond a 128-token local window: conservative", _code),
     "exact": ("no compression; matches DynamicCache token for token", _exact),
+    "fp8": ("hot 64 + 32 sinks exact (fp16), every older token fp8 e4m3 (key scales per block, value per token)", _fp8),
     "kivi2": ("baseline: 2-bit warm over all non-hot tokens (KIVI layout), hot 128", _kivi2),
     "sink-window": ("baseline: 4 sinks + 1,020-token window, older tokens evicted", _sink_window),
     "offload-cpu": (

@@ -1,7 +1,8 @@
 """The caches every evaluation compares, built by name through one factory.
 
 ``dynamic`` is transformers' full ``DynamicCache``; ``quanto-int4`` / ``quanto-int2`` are
-transformers' ``QuantizedCache`` (optimum-quanto backend, extra ``kvtier[baselines]``); every
+transformers' ``QuantizedCache`` (optimum-quanto backend, extra ``kvtier[baselines]``); ``hf-fp8`` is
+``QuantizedCache(backend="fp8")`` (e4m3 with one scale per tensor, frozen at the first call; no extra); every
 kvtier preset (``default``, ``kivi2``, ``sink-window``, ...) is a :class:`~kvtier.TieredCache`.
 A :class:`~kvtier.TierPolicy` object is accepted too (sweeps). A preset name with the suffix
 ``:reference`` runs kvtier's reference attention (every tier decoded, one SDPA call) instead of
@@ -20,7 +21,7 @@ from typing import Any
 
 from ..policy import PRESETS, TierPolicy
 
-BASELINES = ("dynamic", "quanto-int4", "quanto-int2")
+BASELINES = ("dynamic", "quanto-int4", "quanto-int2", "hf-fp8")
 
 
 class Unavailable(RuntimeError):
@@ -53,6 +54,8 @@ class CacheSpec:
                 raise Unavailable(f"{self.name} needs optimum-quanto: pip install 'kvtier[baselines]'")
             bits = int(self.name.removeprefix("quanto-int"))
             return QuantizedCache(backend="quanto", config=model.config, nbits=bits)
+        if self.name == "hf-fp8":
+            return QuantizedCache(backend="fp8", config=model.config)
         raise ValueError(f"unknown cache {self.name!r}")
 
     @contextlib.contextmanager
