@@ -37,8 +37,9 @@ def close_llm(llm) -> None:  # noqa: ANN001
 
 def generate(llm, prompts: list[list[int]], max_tokens: int = 8) -> list[tuple[list[int], int]]:  # noqa: ANN001
     """Greedy ``(tokens, num_cached_tokens)`` per prompt, all submitted at once."""
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
@@ -49,8 +50,9 @@ def teacher_nll(llm, ids: list[int], scored: int = 64, *, recompute: bool = Fals
     """Mean NLL (nats/token) of the last ``scored`` tokens of ``ids`` given everything before,
     and the tokens vLLM took from a cache. Positions up to the cache hit carry no logprobs, so
     the prompt must leave at least one uncached token before the scored ones."""
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from vllm import SamplingParams
 
     sp = SamplingParams(
         max_tokens=1, prompt_logprobs=0, skip_reading_prefix_cache=recompute, detokenize=False, temperature=0.0

@@ -242,7 +242,8 @@ def _block_format(config: OffloadingConfig) -> BlockFormat:
     dtype = _DTYPES.get(config.model.dtype)
     if dtype is None:
         raise KVTierError(
-            f"kvtier's prefix store needs kv_cache_dtype 'auto' with a float16/bfloat16/float32 model, got {config.model.dtype!r}"
+            "kvtier's prefix store needs kv_cache_dtype 'auto' with a float16/bfloat16/float32 model, "
+            f"got {config.model.dtype!r}"
         )
     layers, tokens = len(group.layer_names), group.tokens_per_block
     vllm_config = get_current_vllm_config_or_none()
