@@ -35,13 +35,15 @@ def close_llm(llm) -> None:  # noqa: ANN001
     gc.collect()
 
 
-def generate(llm, prompts: list[list[int]], max_tokens: int = 8) -> list[tuple[list[int], int]]:  # noqa: ANN001
-    """Greedy ``(tokens, num_cached_tokens)`` per prompt, all submitted at once."""
+def generate(llm, prompts: list[list[int]], max_tokens: int = 8, max_load_tokens: int | None = None):  # noqa: ANN001, ANN201
+    """Greedy ``(tokens, num_cached_tokens)`` per prompt, all submitted at once; ``max_load_tokens``
+    caps what vLLM's offloading connector loads (its per-request ``kv_transfer_params``)."""
     from vllm.inputs import TokensPrompt
 
     from vllm import SamplingParams
 
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False)
+    extra = None if max_load_tokens is None else {"kv_transfer_params": {"max_load_tokens": max_load_tokens}}
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, extra_args=extra)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
     return [(list(o.outputs[0].token_ids), o.num_cached_tokens or 0) for o in outs]
 
