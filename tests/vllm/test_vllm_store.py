@@ -42,7 +42,7 @@ def test_record_round_trip(bits, rotate, sink):
     kv = block(SMALL, 0)
     rec = codec.encode(kv, bits, rotate, sink)
     assert rec.numel() == codec.record_bytes(bits, rotate, sink)
-    assert codec.verify(rec) == (bits, rotate, sink if bits else 0)
+    assert codec.verify(rec)[:3] == (bits, rotate, sink if bits else 0)
     out = codec.decode(rec)
     assert out.shape == kv.shape and out.dtype == kv.dtype
     if bits is None:
@@ -59,14 +59,14 @@ def test_all_valid_path_matches_kbit_codec_bytes():
     kv = block(SMALL, 1)
     valid = torch.ones(SMALL.layers, 1, 1, SMALL.tokens, dtype=torch.bool)
     for bits, rotate in [(4, False), (3, True), (2, False)]:
-        fast = codec._encode_all_valid(kv, bits, rotate)
+        fast = codec._encode_all_valid(kv, bits, rotate, SMALL.tokens)
         ref = KBitCodec(bits, 64, rotate).encode(kv[:, :, 0:1], kv[:, :, 1:2], valid)
         assert all(torch.equal(fast[n], ref[n]) for n in ref)
 
 
 def test_sizes_against_bf16():
     codec = BlockCodec(SMOL)
-    ratio = {(b, r): codec.record_bytes(b, r, 0) / SMOL.exact_bytes for b, r in [(4, False), (3, True)]}
+    ratio = {(b, r): codec.record_bytes(b, r, 0, g) / SMOL.exact_bytes for b, r, g in [(4, False, 128), (3, True, 64)]}
     assert ratio[(4, False)] <= 0.28 and ratio[(3, True)] <= 0.22
     # a 23-block prefix with a 32-token exact sink in its first block
     prefix = (codec.record_bytes(4, False, 32) + 22 * codec.record_bytes(4, False, 0)) / (23 * SMOL.exact_bytes)
@@ -142,7 +142,7 @@ def test_capacity_at_fixed_bytes_default_vs_exact():
 def test_step_down_order_then_eviction():
     fmt = SMALL
     codec = BlockCodec(fmt)
-    b4, b3 = codec.record_bytes(4, False, 0), codec.record_bytes(3, True, 0)
+    b4, b3 = codec.record_bytes(4, False, 0), codec.record_bytes(3, True, 0, 64)
     store = PrefixStore(get_store_policy("default"), fmt, cpu_bytes=10 * b4)
     try:
         fill(store, fmt, 10)

@@ -38,9 +38,8 @@ def close_llm(llm) -> None:  # noqa: ANN001
 def generate(llm, prompts: list[list[int]], max_tokens: int = 8, max_load_tokens: int | None = None):  # noqa: ANN001, ANN201
     """Greedy ``(tokens, num_cached_tokens)`` per prompt, all submitted at once; ``max_load_tokens``
     caps what vLLM's offloading connector loads (its per-request ``kv_transfer_params``)."""
-    from vllm.inputs import TokensPrompt
-
     from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
     extra = None if max_load_tokens is None else {"kv_transfer_params": {"max_load_tokens": max_load_tokens}}
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, extra_args=extra)
@@ -52,9 +51,8 @@ def teacher_nll(llm, ids: list[int], scored: int = 64, *, recompute: bool = Fals
     """Mean NLL (nats/token) of the last ``scored`` tokens of ``ids`` given everything before,
     and the tokens vLLM took from a cache. Positions up to the cache hit carry no logprobs, so
     the prompt must leave at least one uncached token before the scored ones."""
-    from vllm.inputs import TokensPrompt
-
     from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
     sp = SamplingParams(
         max_tokens=1, prompt_logprobs=0, skip_reading_prefix_cache=recompute, detokenize=False, temperature=0.0

@@ -28,9 +28,9 @@ from ..quant import pack_bits, quantize_kbit, rotation
 
 MAGIC = b"KVTB"
 VERSION = 1
-#: magic, version, bits (0: exact), rotate, dtype code, sink tokens, L, H, T, D, value group,
-#: payload bytes, crc32 of the payload; padded to 48 bytes so the payload stays 8-byte aligned.
-_HEADER = struct.Struct("<4sHBBBxHHHIHHQI")
+#: magic, version, bits (0: exact), rotate, dtype code, sink tokens, L, H, T, D, value group, key
+#: group, payload bytes, crc32 of the payload; padded to 48 bytes so the payload stays 8-byte aligned.
+_HEADER = struct.Struct("<4sHBBBxHHHIHHHQI")
 HEADER_BYTES = 48
 _DTYPES = {1: torch.float16, 2: torch.bfloat16, 3: torch.float32}
 _DTYPE_CODES = {v: k for k, v in _DTYPES.items()}
@@ -81,19 +81,29 @@ class BlockCodec:
             raise ValueError(
                 f"value_group={value_group} is not allowed for head_dim={fmt.head_dim}: expected a divisor"
             )
-        self._layouts: dict[tuple[int, bool], list[tuple[str, torch.dtype, tuple[int, ...], int]]] = {}
+        self._layouts: dict[tuple[int, bool, int], list[tuple[str, torch.dtype, tuple[int, ...], int]]] = {}
 
     # --- sizes ------------------------------------------------------------------------------
     def _codec(self, bits: int, rotate: bool) -> KBitCodec:
         return KBitCodec(bits, self.value_group, rotate)
 
-    def _layout(self, bits: int, rotate: bool) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
+    def key_group(self, key_group: int | None) -> int:
+        """Tokens per key group (``None``: the whole block); must divide the block's tokens."""
+        g = self.fmt.tokens if key_group is None else min(key_group, self.fmt.tokens)
+        if g < 1 or self.fmt.tokens % g:
+            raise ValueError(
+                f"key_group={key_group} is not allowed for {self.fmt.tokens}-token blocks: expected a divisor"
+            )
+        return g
+
+    def _layout(self, bits: int, rotate: bool, kg: int) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
         """Fields of a ``bits``-bit payload: name, dtype, shape, bytes (fp16 fields first: aligned views)."""
-        key = (bits, rotate)
+        key = (bits, rotate, kg)
         if key not in self._layouts:
             L, H, _, T, D = self.fmt.shape
-            k = torch.zeros(L, H, 1, T, D)
-            fields = self._codec(bits, rotate).encode(k, k, torch.ones(L, 1, 1, T, dtype=torch.bool))
+            n, g = T // kg, kg
+            k = torch.zeros(L, H, n, g, D)
+            fields = self._codec(bits, rotate).encode(k, k, torch.ones(L, 1, n, g, dtype=torch.bool))
             order = sorted(fields, key=lambda n: fields[n].dtype == torch.uint8)
             self._layouts[key] = [
                 (n, fields[n].dtype, tuple(fields[n].shape), fields[n].numel() * fields[n].element_size())
@@ -105,72 +115,79 @@ class BlockCodec:
         f = self.fmt
         return f.layers * f.heads * 2 * sink * f.head_dim * f.dtype.itemsize
 
-    def record_bytes(self, bits: int | None, rotate: bool, sink: int) -> int:
+    def record_bytes(self, bits: int | None, rotate: bool, sink: int, key_group: int | None = None) -> int:
         """Bytes of a record (header included) of this format and codec."""
         if bits is None or sink >= self.fmt.tokens:
             return HEADER_BYTES + self.fmt.exact_bytes
-        return HEADER_BYTES + self.sink_bytes(sink) + sum(n for *_, n in self._layout(bits, rotate))
+        kg = self.key_group(key_group)
+        return HEADER_BYTES + self.sink_bytes(sink) + sum(n for *_, n in self._layout(bits, rotate, kg))
 
     # --- encode / decode --------------------------------------------------------------------
     @torch.no_grad()
-    def encode(self, kv: torch.Tensor, bits: int | None, rotate: bool, sink: int = 0) -> torch.Tensor:
+    def encode(
+        self, kv: torch.Tensor, bits: int | None, rotate: bool, sink: int = 0, key_group: int | None = None
+    ) -> torch.Tensor:
         """Record of ``kv: [L, H, 2, T, D]`` (model dtype): uint8 ``[record_bytes]``.
 
-        ``sink``: this many leading tokens stay exact (a sequence's first block).
+        ``sink``: this many leading tokens stay exact (a sequence's first block); ``key_group``:
+        tokens per key quantization group (``None``: the block).
         """
         f = self.fmt
         if tuple(kv.shape) != f.shape or kv.dtype != f.dtype:
             raise ValueError(f"block of shape {tuple(kv.shape)} {kv.dtype}: expected {f.shape} {f.dtype}")
         sink = min(sink, f.tokens)
         if bits is None or sink >= f.tokens:
-            bits, rotate, sink = None, False, 0
+            bits, rotate, sink, kg = None, False, 0, f.tokens
             parts = [kv.contiguous().view(torch.uint8).reshape(-1)]
         else:
             L, H, _, T, D = f.shape
+            kg = self.key_group(key_group)
             if sink:
-                valid = (torch.arange(T) >= sink).expand(L, 1, 1, T)
-                fields = self._codec(bits, rotate).encode(kv[:, :, 0:1], kv[:, :, 1:2], valid)
+                n, g = T // kg, kg
+                valid = (torch.arange(T) >= sink).view(n, g).expand(L, 1, n, g)
+                k, v = (kv[:, :, i].reshape(L, H, n, g, D) for i in (0, 1))
+                fields = self._codec(bits, rotate).encode(k, v, valid)
             else:
-                fields = self._encode_all_valid(kv, bits, rotate)
-            parts = [fields[n].contiguous().view(torch.uint8).reshape(-1) for n, *_ in self._layout(bits, rotate)]
+                fields = self._encode_all_valid(kv, bits, rotate, kg)
+            parts = [fields[n].contiguous().view(torch.uint8).reshape(-1) for n, *_ in self._layout(bits, rotate, kg)]
             if sink:
                 parts.insert(0, kv[:, :, :, :sink].contiguous().view(torch.uint8).reshape(-1))
         payload = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
         header = _HEADER.pack(
             MAGIC, VERSION, bits or 0, int(rotate), _DTYPE_CODES[f.dtype], sink,
-            f.layers, f.heads, f.tokens, f.head_dim, self.value_group,
+            f.layers, f.heads, f.tokens, f.head_dim, self.value_group, kg,
             payload.numel(), zlib.crc32(payload.numpy()),
         )  # fmt: skip
         head = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
         head[: _HEADER.size] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
         return torch.cat([head, payload])
 
-    def _encode_all_valid(self, kv: torch.Tensor, bits: int, rotate: bool) -> dict[str, torch.Tensor]:
+    def _encode_all_valid(self, kv: torch.Tensor, bits: int, rotate: bool, kg: int) -> dict[str, torch.Tensor]:
         """``KBitCodec.encode`` of a block whose tokens are all valid, without the validity masks
         (3x cheaper statistics; the same fields, byte for byte: ``tests/vllm/test_store.py``)."""
         L, H, _, T, D = kv.shape
-        G = self.value_group
-        k, v = kv[:, :, 0:1], kv[:, :, 1:2]
+        G, n, g = self.value_group, T // kg, kg
+        k, v = (kv[:, :, i].reshape(L, H, n, g, D) for i in (0, 1))
         if rotate:
             r = rotation(D, kv.device)
             k, v = k.float() @ r, v.float() @ r
         kq, ks, kz = quantize_kbit(k, bits, dim=3)
-        vq, vs, vz = quantize_kbit(v.reshape(L, H, 1, T, D // G, G), bits, dim=5)
+        vq, vs, vz = quantize_kbit(v.reshape(L, H, n, g, D // G, G), bits, dim=5)
         return {
             "k_codes": pack_bits(kq, bits),
             "k_scale": ks,
             "k_zero": kz,
-            "v_codes": pack_bits(vq.reshape(L, H, 1, T, D), bits),
+            "v_codes": pack_bits(vq.reshape(L, H, n, g, D), bits),
             "v_scale": vs.squeeze(-1),
             "v_zero": vz.squeeze(-1),
         }
 
-    def info(self, record: torch.Tensor) -> tuple[int | None, bool, int]:
-        """``(bits, rotate, sink)`` of a record, after checking its header against this format
+    def info(self, record: torch.Tensor) -> tuple[int | None, bool, int, int]:
+        """``(bits, rotate, sink, key_group)`` of a record, after checking its header against this format
         and its length; raises :class:`RecordCorrupt` (the crc is checked by :meth:`verify`)."""
         if record.dtype != torch.uint8 or record.dim() != 1 or record.numel() < HEADER_BYTES:
             raise RecordCorrupt(f"record of {record.numel()} bytes is shorter than its {HEADER_BYTES}-byte header")
-        magic, version, bits, rotate, dcode, sink, L, H, T, D, G, n, _ = _HEADER.unpack(
+        magic, version, bits, rotate, dcode, sink, L, H, T, D, G, KG, n, _ = _HEADER.unpack(
             record[: _HEADER.size].numpy().tobytes()
         )
         f = self.fmt
@@ -179,13 +196,19 @@ class BlockCodec:
         if got != want:
             raise RecordCorrupt(f"record header {got} does not match the expected format {want}")
         bits_ = bits or None
-        if (bits_ is not None and bits_ not in (2, 3, 4, 6, 8)) or rotate > 1 or sink >= T and bits_ is not None:
+        if (
+            (bits_ is not None and bits_ not in (2, 3, 4, 6, 8))
+            or rotate > 1
+            or (bits_ is not None and sink >= T)
+            or not 1 <= KG <= T
+            or T % KG
+        ):
             raise RecordCorrupt(f"record header names an unknown codec (bits={bits}, rotate={rotate}, sink={sink})")
-        if record.numel() != HEADER_BYTES + n or n != self.record_bytes(bits_, bool(rotate), sink) - HEADER_BYTES:
+        if record.numel() != HEADER_BYTES + n or n != self.record_bytes(bits_, bool(rotate), sink, KG) - HEADER_BYTES:
             raise RecordCorrupt(f"record holds {record.numel()} bytes, its header says {HEADER_BYTES + n}")
-        return bits_, bool(rotate), sink
+        return bits_, bool(rotate), sink, KG
 
-    def verify(self, record: torch.Tensor) -> tuple[int | None, bool, int]:
+    def verify(self, record: torch.Tensor) -> tuple[int | None, bool, int, int]:
         """:meth:`info` plus the crc32 of the payload; raises :class:`RecordCorrupt`."""
         out = self.info(record)
         crc = _HEADER.unpack(record[: _HEADER.size].numpy().tobytes())[-1]
@@ -196,7 +219,7 @@ class BlockCodec:
     @torch.no_grad()
     def decode(self, record: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``kv: [L, H, 2, T, D]`` (model dtype) of a record (checked by :meth:`info`, not the crc)."""
-        bits, rotate, sink = self.info(record)
+        bits, rotate, sink, kg = self.info(record)
         f = self.fmt
         payload = record[HEADER_BYTES:]
         if bits is None:
@@ -204,19 +227,20 @@ class BlockCodec:
             return kv.clone() if out is None else out.copy_(kv)
         off = self.sink_bytes(sink)
         fields = {}
-        for name, dtype, shape, n in self._layout(bits, rotate):
+        for name, dtype, shape, n in self._layout(bits, rotate, kg):
             fields[name] = payload[off : off + n].view(dtype).view(shape)
             off += n
         codec = self._codec(bits, rotate)
         out = torch.empty(f.shape, dtype=f.dtype) if out is None else out
-        out[:, :, 0:1] = codec.decode_keys(fields, f.head_dim, f.dtype)
-        out[:, :, 1:2] = codec.decode_values(fields, f.head_dim, f.dtype)
+        L, H, _, T, D = f.shape
+        out[:, :, 0] = codec.decode_keys(fields, D, f.dtype).view(L, H, T, D)
+        out[:, :, 1] = codec.decode_values(fields, D, f.dtype).view(L, H, T, D)
         if sink:
             L, H, _, _, D = f.shape
             out[:, :, :, :sink] = payload[: self.sink_bytes(sink)].view(f.dtype).view(L, H, 2, sink, D)
         return out
 
-    def step_down(self, record: torch.Tensor, bits: int, rotate: bool) -> torch.Tensor:
+    def step_down(self, record: torch.Tensor, bits: int, rotate: bool, key_group: int | None = None) -> torch.Tensor:
         """The record re-encoded with a smaller codec (the exact sink tokens stay exact)."""
-        _, _, sink = self.info(record)
-        return self.encode(self.decode(record), bits, rotate, sink)
+        sink = self.info(record)[2]
+        return self.encode(self.decode(record), bits, rotate, sink, key_group)

@@ -27,9 +27,12 @@ class StorePolicy:
     cold_bits : codec a block steps down to, in host RAM, when the byte budget runs short
         (before it leaves RAM); ``None``: no step, blocks go straight to disk or are evicted.
     cold_rotation : rotate before ``cold_bits`` quantization (QuaRot, https://arxiv.org/abs/2404.00456).
+    cold_key_group : tokens per key group of the ``cold_bits`` codec.
     sink_tokens : the first tokens of a sequence kept exact (and left out of the statistics of
         the rest of their block); ``0`` for none.
     value_group : channels per value group (capped at the head dim, which it must divide).
+    key_group : tokens per key group: keys are quantized per channel over this many tokens
+        (capped at vLLM's block size, which it must divide).
     """
 
     bits: int | None = 4
@@ -38,6 +41,8 @@ class StorePolicy:
     cold_rotation: bool = True
     sink_tokens: int = 32
     value_group: int = 64
+    key_group: int = 128
+    cold_key_group: int = 64
 
     def __post_init__(self) -> None:
         for name in ("bits", "cold_bits"):
@@ -58,15 +63,18 @@ class StorePolicy:
             raise ValueError(f"StorePolicy.sink_tokens={self.sink_tokens!r} is not allowed: expected an int >= 0")
         if self.sink_tokens > 1 << 20:
             raise ValueError(f"StorePolicy.sink_tokens={self.sink_tokens} is not allowed: expected at most 2**20")
-        vg = self.value_group
-        if isinstance(vg, bool) or not isinstance(vg, int) or vg < 1 or vg & (vg - 1):
-            raise ValueError(f"StorePolicy.value_group={vg!r} is not allowed: expected a power of two >= 1")
+        for name in ("value_group", "key_group", "cold_key_group"):
+            g = getattr(self, name)
+            if isinstance(g, bool) or not isinstance(g, int) or g < 1 or g & (g - 1) or g > 1 << 16:
+                raise ValueError(f"StorePolicy.{name}={g!r} is not allowed: expected a power of two in 1..65536")
 
     @property
-    def levels(self) -> tuple[tuple[int | None, bool], ...]:
-        """``(bits, rotate)`` of each RAM level a block passes through, warmest first."""
-        first = (self.bits, self.rotate)
-        return (first,) if self.cold_bits is None else (first, (self.cold_bits, self.cold_rotation))
+    def levels(self) -> tuple[tuple[int | None, bool, int], ...]:
+        """``(bits, rotate, key_group)`` of each RAM level a block passes through, warmest first."""
+        first = (self.bits, self.rotate, self.key_group)
+        return (
+            (first,) if self.cold_bits is None else (first, (self.cold_bits, self.cold_rotation, self.cold_key_group))
+        )
 
 
 #: name -> (policy, one-line description); the README's table says the same.
@@ -79,7 +87,7 @@ POLICIES: dict[str, tuple[StorePolicy, str]] = {
     ),
     "chat": (StorePolicy(cold_bits=None), "32 sink tokens exact, blocks 4-bit, no 3-bit step (disk, then out)"),
     "compact": (
-        StorePolicy(bits=3, rotate=True, cold_bits=None),
+        StorePolicy(bits=3, rotate=True, key_group=64, cold_bits=None),
         "32 sink tokens exact, blocks 3-bit after the Hadamard rotation from the start",
     ),
     "code": (StorePolicy(bits=8, cold_bits=4, cold_rotation=False), "conservative: 8-bit, stepping down to 4-bit"),

@@ -103,8 +103,8 @@ class PrefixStore:
 
     # --- sizes ------------------------------------------------------------------------------
     def record_bytes(self, level: int, sink: int) -> int:
-        bits, rotate = self.levels[level]
-        return self.codec.record_bytes(bits, rotate, sink)
+        bits, rotate, kg = self.levels[level]
+        return self.codec.record_bytes(bits, rotate, sink, kg)
 
     @property
     def ram_bytes(self) -> int:
@@ -118,7 +118,7 @@ class PrefixStore:
             held = 0
             for e in self._entries.values():
                 if e.record is not None and not e.transient:
-                    bits, rotate = self.levels[e.level]
+                    bits, rotate, _ = self.levels[e.level]
                     levels["exact" if bits is None else f"int{bits}" + ("-rot" if rotate else "")] += 1
                     held += e.record.numel()
                 elif e.ready:
@@ -201,7 +201,7 @@ class PrefixStore:
                     del self._entries[key]
                 self.counters["lookup_misses"] += 1
                 return "miss"
-            _, _, sink = self.codec.info(record)
+            sink = self.codec.info(record)[2]
             if e is None:
                 e = self._entries[key] = _Entry(level=0, sink=sink, budget=0, ready=True, busy=False, on_disk=True)
                 self._entries.move_to_end(key, last=False)  # disk-only blocks are the coldest
@@ -211,9 +211,9 @@ class PrefixStore:
             return "hit"
 
     def _level_of(self, record: torch.Tensor) -> int:
-        bits, rotate, _ = self.codec.info(record)
+        bits, rotate, _, kg = self.codec.info(record)
         for i, lv in enumerate(self.levels):
-            if lv == (bits, rotate):
+            if lv == (bits, rotate, kg):
                 return i
         return 0  # a record of another level of the same policy family: decodes all the same
 
@@ -335,11 +335,11 @@ class PrefixStore:
             e = self._entries.get(key)
             if e is None or e.ready:  # reset or aborted meanwhile
                 return
-            bits, rotate = self.levels[e.level]
+            bits, rotate, kg = self.levels[e.level]
             sink = e.sink
         t0 = time.perf_counter()
         try:
-            record = self.codec.encode(kv, bits, rotate, sink)
+            record = self.codec.encode(kv, bits, rotate, sink, kg)
         except Exception:
             with self._lock:
                 if self._entries.get(key) is e:
@@ -359,9 +359,9 @@ class PrefixStore:
             record = e.record
         if record is None or e.level + 1 >= len(self.levels):
             return
-        bits, rotate = self.levels[e.level + 1]
+        bits, rotate, kg = self.levels[e.level + 1]
         try:
-            new = self.codec.step_down(record, bits, rotate)
+            new = self.codec.step_down(record, bits, rotate, kg)
         except Exception:
             logger.exception("kvtier: a block could not be stepped down; it stays as it was")
             new = None
