@@ -64,6 +64,26 @@ def test_all_valid_path_matches_kbit_codec_bytes():
         assert all(torch.equal(fast[n], ref[n]) for n in ref)
 
 
+def test_fast_pack_and_decode_match_kvtier_quant():
+    from kvtier.quant import pack_bits
+    from kvtier.vllm.blocks import _pack, _unpack
+
+    codes = torch.randint(0, 16, (3, 5, 64), dtype=torch.uint8)
+    assert torch.equal(_pack(codes, 4), pack_bits(codes, 4))
+    assert torch.equal(_unpack(_pack(codes, 4), 4, 64), codes)
+    codec = BlockCodec(SMALL)
+    kv = block(SMALL, 3)
+    L, H, _, T, D = SMALL.shape
+    for bits, rotate in [(4, False), (4, True), (3, True), (2, False)]:
+        fields = KBitCodec(bits, 64, rotate).encode(
+            kv[:, :, 0:1], kv[:, :, 1:2], torch.ones(L, 1, 1, T, dtype=torch.bool)
+        )
+        k, v = codec._decode_fields(fields, bits, rotate)
+        ref = KBitCodec(bits, 64, rotate)
+        assert torch.equal(k, ref.decode_keys(fields, D, SMALL.dtype))
+        assert torch.equal(v, ref.decode_values(fields, D, SMALL.dtype))
+
+
 def test_sizes_against_bf16():
     codec = BlockCodec(SMOL)
     ratio = {(b, r): codec.record_bytes(b, r, 0, g) / SMOL.exact_bytes for b, r, g in [(4, False, 128), (3, True, 64)]}

@@ -24,7 +24,7 @@ import torch
 
 from ..cache.codecs import KBitCodec
 from ..errors import KVTierError
-from ..quant import pack_bits, quantize_kbit, rotation
+from ..quant import dequantize_kbit, pack_bits, quantize_kbit, rotation, unpack_bits
 
 MAGIC = b"KVTB"
 VERSION = 1
@@ -69,6 +69,21 @@ class BlockFormat:
     def exact_bytes(self) -> int:
         """Bytes of the block in the model dtype (what vLLM holds for it)."""
         return self.layers * self.heads * 2 * self.tokens * self.head_dim * self.dtype.itemsize
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``kvtier.quant.pack_bits`` with a 4-bit fast path (two codes a byte, low nibble first: the
+    same bytes, ``tests/vllm/test_vllm_store.py``); the generic path broadcasts a shift per code."""
+    if bits != 4 or codes.shape[-1] % 8:
+        return pack_bits(codes, bits)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`_pack` (``kvtier.quant.unpack_bits`` beyond 4 bits)."""
+    if bits != 4 or n % 8:
+        return unpack_bits(packed, bits, n)
+    return torch.stack((packed & 15, packed >> 4), dim=-1).view(*packed.shape[:-1], n)
 
 
 class BlockCodec:
@@ -174,10 +189,10 @@ class BlockCodec:
         kq, ks, kz = quantize_kbit(k, bits, dim=3)
         vq, vs, vz = quantize_kbit(v.reshape(L, H, n, g, D // G, G), bits, dim=5)
         return {
-            "k_codes": pack_bits(kq, bits),
+            "k_codes": _pack(kq, bits),
             "k_scale": ks,
             "k_zero": kz,
-            "v_codes": pack_bits(vq.reshape(L, H, n, g, D), bits),
+            "v_codes": _pack(vq.reshape(L, H, n, g, D), bits),
             "v_scale": vs.squeeze(-1),
             "v_zero": vz.squeeze(-1),
         }
@@ -230,15 +245,30 @@ class BlockCodec:
         for name, dtype, shape, n in self._layout(bits, rotate, kg):
             fields[name] = payload[off : off + n].view(dtype).view(shape)
             off += n
-        codec = self._codec(bits, rotate)
         out = torch.empty(f.shape, dtype=f.dtype) if out is None else out
         L, H, _, T, D = f.shape
-        out[:, :, 0] = codec.decode_keys(fields, D, f.dtype).view(L, H, T, D)
-        out[:, :, 1] = codec.decode_values(fields, D, f.dtype).view(L, H, T, D)
+        k, v = self._decode_fields(fields, bits, rotate)
+        out[:, :, 0] = k.view(L, H, T, D)
+        out[:, :, 1] = v.view(L, H, T, D)
         if sink:
             L, H, _, _, D = f.shape
             out[:, :, :, :sink] = payload[: self.sink_bytes(sink)].view(f.dtype).view(L, H, 2, sink, D)
         return out
+
+    def _decode_fields(self, f: dict[str, torch.Tensor], bits: int, rotate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``KBitCodec.decode_keys`` / ``decode_values`` with a 4-bit unpack fast path: the same values
+        (``tests/vllm/test_vllm_store.py``). Keys and values ``[L, H, n, g, D]`` in the block dtype."""
+        D, G, dtype = self.fmt.head_dim, self.value_group, self.fmt.dtype
+        out = torch.float32 if rotate else dtype
+        k = dequantize_kbit(_unpack(f["k_codes"], bits, D), f["k_scale"], f["k_zero"], out)
+        vq = _unpack(f["v_codes"], bits, D)
+        shape = vq.shape
+        vq = vq.view(*shape[:-1], D // G, G)
+        v = dequantize_kbit(vq, f["v_scale"].unsqueeze(-1), f["v_zero"].unsqueeze(-1), out).view(shape)
+        if rotate:
+            r = rotation(D, k.device).T
+            k, v = (k @ r).to(dtype), (v @ r).to(dtype)
+        return k, v
 
     def step_down(self, record: torch.Tensor, bits: int, rotate: bool, key_group: int | None = None) -> torch.Tensor:
         """The record re-encoded with a smaller codec (the exact sink tokens stay exact)."""
