@@ -7,8 +7,9 @@ prepare/complete load and store, keyed by ``OffloadKey`` = block hash + group) a
 ``OffloadingWorker`` (``submit_store``/``submit_load``/``get_finished``/``wait`` over per-layer int8
 page views ``(num_blocks, page_bytes)``). :class:`KVTierOffloadingSpec` gives both over one
 :class:`kvtier.vllm.store.PrefixStore`, shared through :func:`engine_store` by the scheduler and
-the worker of an engine: with one worker (``tensor_parallel_size=1``, vLLM's in-process executor)
-both live in the engine-core process.
+the worker of an engine: with one worker (``tensor_parallel_size=1``, vLLM's in-process ``uni``
+executor) both live in the engine-core process. The CPU platform switches that executor to ``mp``
+(a worker process) unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; GPU platforms keep ``uni``.
 
 Page layout (vLLM CPU attention, ``KVCacheLayout.LBHNC``): one layer's page of one block is
 ``[H, T, 2 * D]`` in memory, which the backend reads as ``[H, 2, T, D]`` (keys then values per
@@ -90,9 +91,21 @@ class KVTierLoadStoreSpec(LoadStoreSpec):
 class KVTierManager(OffloadingManager):
     """Scheduler side: vLLM's manager contract over :class:`PrefixStore` bookkeeping."""
 
-    def __init__(self, store: PrefixStore, tokens_per_block: int):
-        self.store = store
+    def __init__(self, engine_id: str, tokens_per_block: int):
+        self.engine_id = engine_id
         self.tokens_per_block = tokens_per_block
+        self._store: PrefixStore | None = None
+
+    @property
+    def store(self) -> PrefixStore:
+        if self._store is None:
+            self._store = engine_store(self.engine_id)
+            if self._store is None:
+                raise KVTierError(
+                    "kvtier's prefix store is not in vLLM's scheduler process: it needs vLLM's in-process "
+                    "executor (one worker); on the CPU platform set VLLM_ENABLE_V1_MULTIPROCESSING=0"
+                )
+        return self._store
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         return _LOOKUP[self.store.lookup(key)]
@@ -262,11 +275,16 @@ def _block_format(config: OffloadingConfig) -> BlockFormat:
 
 
 class KVTierOffloadingSpec(OffloadingSpec):
-    """The spec named by :func:`kvtier.vllm.kv_transfer_config` (``spec_name``/``spec_module_path``)."""
+    """The spec named by :func:`kvtier.vllm.kv_transfer_config` (``spec_name``/``spec_module_path``).
+
+    vLLM builds one spec for the scheduler and one for the worker. The worker's creates the store
+    (it registers the KV caches at engine start, inside vLLM's config context, where the model's
+    KV heads and head size are known); the scheduler's manager finds it by engine id at first use.
+    """
 
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
-        store_config = StoreConfig.from_extra(self.extra_config)
+        self.store_config = StoreConfig.from_extra(self.extra_config)
         if len(config.groups) != 1:
             raise KVTierError(
                 f"kvtier's prefix store supports models with one KV-cache group, got {len(config.groups)}"
@@ -278,30 +296,33 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 f"kvtier's prefix store runs with one worker (tensor/pipeline parallel size 1), got world size "
                 f"{config.parallel.world_size}"
             )
+        self._manager: KVTierManager | None = None
+        self._worker: KVTierWorker | None = None
+
+    def _create_store(self) -> PrefixStore:
+        config = self.config
         with _STORES_LOCK:
             store = _STORES.get(config.engine_id)
             if store is None:
                 fmt = _block_format(config)
                 ident = json.dumps(
-                    [config.model.name, str(fmt), store_config.policy_fields(), self.tokens_per_hash], sort_keys=True
+                    [config.model.name, str(fmt), self.store_config.policy_fields(), self.tokens_per_hash],
+                    sort_keys=True,
                 )
                 namespace = "kvtier-" + hashlib.sha256(ident.encode()).hexdigest()[:16]
-                store = PrefixStore(
-                    store_config.store_policy, fmt, store_config.cpu_bytes, store_config.disk_path, namespace
-                )
+                sc = self.store_config
+                store = PrefixStore(sc.store_policy, fmt, sc.cpu_bytes, sc.disk_path, namespace)
                 _STORES[config.engine_id] = store
-        self.store = store
-        self._manager: KVTierManager | None = None
-        self._worker: KVTierWorker | None = None
+        return store
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            self._manager = KVTierManager(self.store, self.store.fmt.tokens)
+            self._manager = KVTierManager(self.config.engine_id, self.tokens_per_block[0])
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            self._worker = KVTierWorker(self.store, kv_caches)
+            self._worker = KVTierWorker(self._create_store(), kv_caches)
         return self._worker
 
 
