@@ -3,7 +3,8 @@ against exact KV, bytes on disk against bf16, and overfilling a small RAM budget
 
 import pytest
 
-pytest.importorskip("vllm")
+# "vllm.v1", not "vllm": without vLLM, tests/vllm itself would import as a namespace package "vllm"
+pytest.importorskip("vllm.v1")
 
 from pathlib import Path  # noqa: E402
 

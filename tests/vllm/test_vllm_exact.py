@@ -4,7 +4,8 @@ restart in a new process with damaged block files."""
 
 import pytest
 
-pytest.importorskip("vllm")
+# "vllm.v1", not "vllm": without vLLM, tests/vllm itself would import as a namespace package "vllm"
+pytest.importorskip("vllm.v1")
 
 import json  # noqa: E402
 import os  # noqa: E402

@@ -2,7 +2,8 @@
 
 import pytest
 
-pytest.importorskip("vllm")
+# "vllm.v1", not "vllm": without vLLM, tests/vllm itself would import as a namespace package "vllm"
+pytest.importorskip("vllm.v1")
 
 import json  # noqa: E402
 
