@@ -69,9 +69,10 @@ def test_fast_pack_and_decode_match_kvtier_quant():
     from kvtier.quant import pack_bits
     from kvtier.vllm.blocks import _pack, _unpack
 
-    codes = torch.randint(0, 16, (3, 5, 64), dtype=torch.uint8)
-    assert torch.equal(_pack(codes, 4), pack_bits(codes, 4))
-    assert torch.equal(_unpack(_pack(codes, 4), 4, 64), codes)
+    for bits in range(1, 9):
+        codes = torch.randint(0, 1 << bits, (3, 5, 64), dtype=torch.uint8)
+        assert torch.equal(_pack(codes, bits), pack_bits(codes, bits)), bits
+        assert torch.equal(_unpack(_pack(codes, bits), bits, 64), codes), bits
     codec = BlockCodec(SMALL)
     kv = block(SMALL, 3)
     L, H, _, T, D = SMALL.shape
