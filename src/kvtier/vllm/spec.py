@@ -1,0 +1,332 @@
+"""vLLM's side of the prefix store: the out-of-tree ``OffloadingSpec`` its ``OffloadingConnector`` loads.
+
+vLLM's ``OffloadingConnector`` (``vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py``)
+keeps its scheduler logic (block hashes, which blocks to look up, load and store, job tracking) and
+asks an ``OffloadingSpec`` for two objects: a scheduler-side ``OffloadingManager`` (lookup,
+prepare/complete load and store, keyed by ``OffloadKey`` = block hash + group) and a worker-side
+``OffloadingWorker`` (``submit_store``/``submit_load``/``get_finished``/``wait`` over per-layer int8
+page views ``(num_blocks, page_bytes)``). :class:`KVTierOffloadingSpec` gives both over one
+:class:`kvtier.vllm.store.PrefixStore`, shared through :func:`engine_store` by the scheduler and
+the worker of an engine: with one worker (``tensor_parallel_size=1``, vLLM's in-process ``uni``
+executor) both live in the engine-core process. The CPU platform switches that executor to ``mp``
+(a worker process) unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; GPU platforms keep ``uni``.
+
+Page layout (vLLM CPU attention, ``KVCacheLayout.LBHNC``): one layer's page of one block is
+``[H, T, 2 * D]`` in memory, which the backend reads as ``[H, 2, T, D]`` (keys then values per
+head); a block over all layers is ``kv: [L, H, 2, T, D]``.
+
+Loads decode inline in ``submit_load`` (the request waits for them anyway; a decoding thread
+competing for the GIL with the engine's polling loop was 20x slower on the CPU platform); stores
+run on the store's worker thread.
+
+Failure: vLLM's offloading worker asserts that every transfer succeeded (``get_finished``), so a
+load cannot fail after lookup said hit. Every check therefore happens at lookup (block files are
+read and verified there, see :mod:`kvtier.vllm.store`); loads read records already checked and
+pinned in RAM. A failed store only makes a future miss.
+
+Imports vLLM (this module is loaded by vLLM, or through :mod:`kvtier.vllm.config`), torch and
+``kvtier.vllm``; never transformers or ``kvtier.hf``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Collection
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ..errors import KVTierError
+from .blocks import BlockFormat
+from .config import StoreConfig
+from .store import PrefixStore
+
+logger = logging.getLogger(__name__)
+
+_LOOKUP = {"hit": LookupResult.HIT, "pending": LookupResult.HIT_PENDING, "miss": LookupResult.MISS}
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+_STORES: dict[str, PrefixStore] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def engine_store(engine_id: str) -> PrefixStore | None:
+    """The store of an engine running in this process (tests, benchmarks), or None."""
+    return _STORES.get(engine_id)
+
+
+class KVTierLoadStoreSpec(LoadStoreSpec):
+    """Which store blocks a transfer reads or writes: their keys, in the order of vLLM's block ids."""
+
+    def __init__(self, keys: Collection[bytes]):
+        self.keys = list(keys)
+
+    def __repr__(self) -> str:
+        return f"KVTierLoadStoreSpec({len(self.keys)} blocks)"
+
+
+class KVTierManager(OffloadingManager):
+    """Scheduler side: vLLM's manager contract over :class:`PrefixStore` bookkeeping."""
+
+    def __init__(self, engine_id: str, tokens_per_block: int):
+        self.engine_id = engine_id
+        self.tokens_per_block = tokens_per_block
+        self._store: PrefixStore | None = None
+
+    @property
+    def store(self) -> PrefixStore:
+        if self._store is None:
+            self._store = engine_store(self.engine_id)
+            if self._store is None:
+                raise KVTierError(
+                    "kvtier's prefix store is not in vLLM's scheduler process: it needs vLLM's in-process "
+                    "executor (one worker); on the CPU platform set VLLM_ENABLE_V1_MULTIPROCESSING=0"
+                )
+        return self._store
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        return _LOOKUP[self.store.lookup(key)]
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        return CacheHitSource.HOST
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        keys = list(keys)
+        self.store.pin(keys)
+        return KVTierLoadStoreSpec(keys)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.store.touch(list(keys))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.store.unpin(list(keys))
+
+    def _sink(self, key: OffloadKey, req_context: ReqContext) -> int:
+        end = req_context.get_offload_key_position(key)
+        if end is None:
+            return 0
+        start = end - self.tokens_per_block
+        return max(0, min(self.tokens_per_block, self.store.policy.sink_tokens - start))
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        keys = list(keys)
+        self.store.touch(keys)
+        new = self.store.reserve(keys, [self._sink(k, req_context) for k in keys])
+        return PrepareStoreOutput(keys_to_store=new, store_spec=KVTierLoadStoreSpec(new), evicted_keys=[])
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        if not success:
+            self.store.abort(list(keys))
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self.store.maintain()
+
+    def reset_cache(self) -> None:
+        self.store.flush()
+        self.store.reset()
+
+
+class KVTierWorker(OffloadingWorker):
+    """Worker side: gathers whole blocks from vLLM's pages into the store and back, on the
+    store's worker thread; ``get_finished`` reports what is done."""
+
+    def __init__(self, store: PrefixStore, kv_caches: CanonicalKVCaches):
+        self.store = store
+        fmt = store.fmt
+        if len(kv_caches.group_data_refs) != 1:
+            raise KVTierError(
+                f"kvtier's prefix store needs one KV-cache group, this model has {len(kv_caches.group_data_refs)}"
+            )
+        refs = kv_caches.group_data_refs[0]
+        page = fmt.heads * 2 * fmt.tokens * fmt.head_dim * fmt.dtype.itemsize
+        if len(refs) != fmt.layers:
+            raise KVTierError(f"kvtier's prefix store expected {fmt.layers} layers, vLLM registered {len(refs)}")
+        self.pages: list[torch.Tensor] = []  # per layer: [num_blocks, H, 2, T, D] views of vLLM's pages
+        for ref in refs:
+            t = kv_caches.tensors[ref.tensor_idx].tensor
+            if ref.page_size_bytes != page or t.device.type != "cpu":
+                raise KVTierError(
+                    f"kvtier's prefix store expected {page}-byte CPU pages ({fmt}), vLLM has {ref.page_size_bytes} "
+                    f"bytes on {t.device}"
+                )
+            view = t[:, :page].view(fmt.dtype).view(t.shape[0], fmt.heads, 2, fmt.tokens, fmt.head_dim)
+            self.pages.append(view)
+        self._done: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
+        self._jobs: dict[int, Future] = {}
+
+    def _gather(self, block: int) -> torch.Tensor:
+        return torch.stack([p[block] for p in self.pages])
+
+    def _run(self, job_id: int, fn, *args) -> None:  # noqa: ANN001
+        def job() -> None:
+            t0 = time.perf_counter()
+            size = 0
+            try:
+                size = fn(*args)
+            except Exception:  # vLLM cannot take a failed transfer; a failed store is a future miss
+                logger.exception("kvtier: transfer job %d failed", job_id)
+            self._done.put(TransferResult(job_id, True, size, time.perf_counter() - t0))
+
+        self._jobs[job_id] = self.store.submit(job)
+
+    def _store(self, keys: list[bytes], blocks: list[int]) -> int:
+        for key, b in zip(keys, blocks):
+            self.store.put(key, self._gather(b))
+        return len(keys) * self.store.fmt.exact_bytes
+
+    def _load(self, keys: list[bytes], blocks: list[int]) -> int:
+        for key, b in zip(keys, blocks):
+            kv = self.store.read(key)
+            for layer, p in enumerate(self.pages):
+                p[b].copy_(kv[layer])
+        return len(keys) * self.store.fmt.exact_bytes
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        assert isinstance(dst_spec, KVTierLoadStoreSpec)
+        blocks = [int(b) for b in src_spec.block_ids]
+        if len(blocks) != len(dst_spec.keys):
+            raise KVTierError(f"store job {job_id}: {len(blocks)} vLLM blocks for {len(dst_spec.keys)} store blocks")
+        self._run(job_id, self._store, dst_spec.keys, blocks)
+        return True
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        assert isinstance(src_spec, KVTierLoadStoreSpec)
+        blocks = [int(b) for b in dst_spec.block_ids]
+        if len(blocks) != len(src_spec.keys):
+            raise KVTierError(f"load job {job_id}: {len(blocks)} vLLM blocks for {len(src_spec.keys)} store blocks")
+        # Inline on the engine's thread: the request waits for these blocks anyway, and on a CPU
+        # platform a decoding thread contends for the GIL with the engine's polling loop (a 3 ms
+        # decode took 70 ms there). Stores (encode + file write) stay on the store's thread.
+        t0 = time.perf_counter()
+        size = self._load(src_spec.keys, blocks)
+        self._done.put(TransferResult(job_id, True, size, time.perf_counter() - t0))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        out = []
+        while True:
+            try:
+                r = self._done.get_nowait()
+            except queue.Empty:
+                return out
+            self._jobs.pop(r.job_id, None)
+            out.append(r)
+
+    def wait(self, job_ids: set[int]) -> None:
+        for job_id in job_ids:
+            f = self._jobs.get(job_id)
+            if f is not None:
+                f.result()
+
+    def shutdown(self) -> None:
+        self.store.flush()
+
+
+def _block_format(config: OffloadingConfig) -> BlockFormat:
+    from vllm.config import get_current_vllm_config_or_none
+
+    (group,) = config.groups
+    dtype = _DTYPES.get(config.model.dtype)
+    if dtype is None:
+        raise KVTierError(
+            "kvtier's prefix store needs kv_cache_dtype 'auto' with a float16/bfloat16/float32 model, "
+            f"got {config.model.dtype!r}"
+        )
+    layers, tokens = len(group.layer_names), group.tokens_per_block
+    vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is not None:
+        mc = vllm_config.model_config
+        heads, head_dim = mc.get_num_kv_heads(vllm_config.parallel_config), mc.get_head_size()
+    else:  # the page size only gives heads * head_dim
+        raise KVTierError("kvtier's prefix store could not read the model's KV heads and head size from vLLM's config")
+    fmt = BlockFormat(layers, heads, tokens, head_dim, dtype)
+    if config.worker_kv_bytes_per_block and config.worker_kv_bytes_per_block != fmt.exact_bytes:
+        raise KVTierError(
+            f"kvtier's prefix store computed {fmt.exact_bytes} bytes per block ({fmt}), vLLM "
+            f"{config.worker_kv_bytes_per_block}: only plain full-attention models are supported"
+        )
+    return fmt
+
+
+class KVTierOffloadingSpec(OffloadingSpec):
+    """The spec named by :func:`kvtier.vllm.kv_transfer_config` (``spec_name``/``spec_module_path``).
+
+    vLLM builds one spec for the scheduler and one for the worker. The worker's creates the store
+    (it registers the KV caches at engine start, inside vLLM's config context, where the model's
+    KV heads and head size are known); the scheduler's manager finds it by engine id at first use.
+    """
+
+    def __init__(self, config: OffloadingConfig):
+        super().__init__(config)
+        self.store_config = StoreConfig.from_extra(self.extra_config)
+        if len(config.groups) != 1:
+            raise KVTierError(
+                f"kvtier's prefix store supports models with one KV-cache group, got {len(config.groups)}"
+            )
+        if self.blocks_per_chunk != 1:
+            raise KVTierError("kvtier's prefix store stores one vLLM block per record: leave block_size unset")
+        if config.parallel.world_size != 1:
+            raise KVTierError(
+                f"kvtier's prefix store runs with one worker (tensor/pipeline parallel size 1), got world size "
+                f"{config.parallel.world_size}"
+            )
+        self._manager: KVTierManager | None = None
+        self._worker: KVTierWorker | None = None
+
+    def _create_store(self) -> PrefixStore:
+        config = self.config
+        with _STORES_LOCK:
+            store = _STORES.get(config.engine_id)
+            if store is None:
+                fmt = _block_format(config)
+                ident = json.dumps(
+                    [config.model.name, str(fmt), self.store_config.policy_fields(), self.tokens_per_hash],
+                    sort_keys=True,
+                )
+                namespace = "kvtier-" + hashlib.sha256(ident.encode()).hexdigest()[:16]
+                sc = self.store_config
+                store = PrefixStore(sc.store_policy, fmt, sc.cpu_bytes, sc.disk_path, namespace)
+                _STORES[config.engine_id] = store
+        return store
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            self._manager = KVTierManager(self.config.engine_id, self.tokens_per_block[0])
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = KVTierWorker(self._create_store(), kv_caches)
+        return self._worker
+
+
+def store_stats(engine_id: str) -> dict[str, Any] | None:
+    """Counters of an engine's store in this process (None when it runs elsewhere)."""
+    store = engine_store(engine_id)
+    return None if store is None else store.stats()

@@ -1,0 +1,408 @@
+"""The prefix store: compressed KV blocks keyed by vLLM block hashes, in host RAM and on disk.
+
+:class:`PrefixStore` owns every offloaded block of one vLLM engine. Blocks are records of
+:mod:`kvtier.vllm.blocks` (``kv: [L, H, 2, T, D]`` encoded, header + crc32), keyed by opaque
+``bytes`` (vLLM's ``OffloadKey``: block hash + KV-cache group). Host RAM has a byte budget
+(``cpu_bytes``); when it runs short the least recently used blocks *step down* instead of only
+being evicted: first every block is re-encoded to the policy's colder codec (4-bit -> 3-bit
+after the Hadamard rotation), then the oldest leave RAM (to disk when there is one, else out).
+
+With ``disk_path`` every stored block is also written through to a file of its own
+(``<namespace>/<key hex>.kvb``, written to a temporary name and renamed, so a reader sees a whole
+file or none), so a new process with the same ``disk_path`` hits. A block only on disk is read
+and fully checked (header, length, crc32) at :meth:`PrefixStore.lookup`, and its checked bytes
+are held in RAM until the load that pinned them completes: a missing, truncated or corrupted file
+is a miss at lookup (and the file is removed), never a failed load, because vLLM's offloading
+worker cannot report a failed load after lookup said hit.
+
+Threads: bookkeeping (lookup, pin, reserve, eviction) runs on the caller's thread (vLLM's
+scheduler); encoding, decoding and file writes run on one worker thread owned by the store
+(:meth:`submit`), so compression does not stall the engine step. Only the scheduler's thread
+removes a block or drops its RAM copy, so a block that lookup reported as a hit stays loadable
+until it is pinned. Imports torch, ``kvtier.vllm.blocks``/``policy`` and ``kvtier.errors``; never
+vLLM, transformers or ``kvtier.hf``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import Counter, OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import KVTierError
+from .blocks import BlockCodec, BlockFormat, RecordCorrupt
+from .policy import StorePolicy
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".kvb"
+
+
+@dataclass(eq=False)
+class _Entry:
+    level: int  # index into policy.levels of the codec of `record` (or the one a pending store uses)
+    sink: int  # exact leading tokens
+    budget: int  # bytes this entry counts against cpu_bytes (projected after a scheduled step down)
+    record: torch.Tensor | None = None  # None: not stored yet, or only on disk
+    ready: bool = False
+    busy: bool = True  # a store or step-down job is in flight
+    pins: int = 0
+    on_disk: bool = False
+    transient: bool = False  # `record` was read from disk for a load; not counted in the budget
+
+
+class PrefixStore:
+    """Blocks of one engine: a RAM budget with step-down LRU, optional write-through block files.
+
+    Parameters
+    ----------
+    policy : codecs and sink tokens (:class:`kvtier.vllm.policy.StorePolicy`).
+    fmt : shape and dtype of a block, ``kv: [L, H, 2, T, D]``.
+    cpu_bytes : budget of the records held in host RAM.
+    disk_path : folder for block files (created); ``None`` keeps blocks in RAM only.
+    namespace : subfolder of ``disk_path``: records of another model or policy never mix.
+    """
+
+    def __init__(
+        self,
+        policy: StorePolicy,
+        fmt: BlockFormat,
+        cpu_bytes: int,
+        disk_path: str | os.PathLike | None = None,
+        namespace: str = "blocks",
+    ):
+        if isinstance(cpu_bytes, bool) or not isinstance(cpu_bytes, int) or cpu_bytes < 0:
+            raise ValueError(f"cpu_bytes={cpu_bytes!r} is not allowed: expected an int >= 0")
+        self.policy = policy
+        self.fmt = fmt
+        self.cpu_bytes = cpu_bytes
+        self.codec = BlockCodec(fmt, policy.value_group)
+        self.levels = policy.levels
+        self.dir: Path | None = None
+        if disk_path is not None:
+            self.dir = Path(disk_path) / namespace
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise KVTierError(f"disk_path={str(disk_path)!r} cannot be used for block files: {err}") from None
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._ram = 0
+        self._lock = threading.RLock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm")
+        self._closed = False
+        self.counters: Counter[str] = Counter()
+
+    # --- sizes ------------------------------------------------------------------------------
+    def record_bytes(self, level: int, sink: int) -> int:
+        bits, rotate, kg = self.levels[level]
+        return self.codec.record_bytes(bits, rotate, sink, kg)
+
+    @property
+    def ram_bytes(self) -> int:
+        """Bytes counted against ``cpu_bytes`` (records in RAM, stores in flight at their size)."""
+        return self._ram
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, bytes and blocks per level (a snapshot)."""
+        with self._lock:
+            levels: Counter[str] = Counter()
+            held = 0
+            for e in self._entries.values():
+                if e.record is not None and not e.transient:
+                    bits, rotate, _ = self.levels[e.level]
+                    levels["exact" if bits is None else f"int{bits}" + ("-rot" if rotate else "")] += 1
+                    held += e.record.numel()
+                elif e.ready:
+                    levels["disk"] += 1
+            return {
+                **self.counters,
+                "ram_bytes": self._ram,
+                "ram_record_bytes": held,
+                "blocks": dict(levels),
+                "exact_block_bytes": self.fmt.exact_bytes,
+            }
+
+    # --- worker thread ----------------------------------------------------------------------
+    def submit(self, fn, *args) -> Future:  # noqa: ANN001
+        """Run ``fn(*args)`` on the store's worker thread (in submission order)."""
+        if self._closed:
+            raise KVTierError("the kvtier prefix store is closed")
+        return self._pool.submit(fn, *args)
+
+    # --- files ------------------------------------------------------------------------------
+    def path(self, key: bytes) -> Path:
+        assert self.dir is not None
+        return self.dir / (key.hex() + SUFFIX)
+
+    def _read_file(self, key: bytes) -> torch.Tensor | None:
+        """The checked record of a block file, or None (missing or bad: a bad file is removed)."""
+        path = self.path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            logger.warning("kvtier: block file %s cannot be read (%s): a miss", path, err)
+            self.counters["disk_errors"] += 1
+            return None
+        record = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        try:
+            self.codec.verify(record)
+        except RecordCorrupt as err:
+            logger.warning("kvtier: block file %s fails its checks (%s): a miss, removed", path, err)
+            self.counters["corrupt"] += 1
+            path.unlink(missing_ok=True)
+            return None
+        return record
+
+    def _write_file(self, key: bytes, record: torch.Tensor) -> bool:
+        path = self.path(key)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(record.numpy().tobytes())
+            os.replace(tmp, path)
+        except OSError as err:
+            logger.warning("kvtier: block file %s cannot be written (%s): kept in RAM only", path, err)
+            self.counters["disk_errors"] += 1
+            tmp.unlink(missing_ok=True)
+            return False
+        self.counters["disk_writes"] += 1
+        self.counters["disk_bytes_written"] += record.numel()
+        return True
+
+    # --- scheduler side ---------------------------------------------------------------------
+    def lookup(self, key: bytes) -> str:
+        """``"hit"`` (loadable now), ``"pending"`` (a store in flight) or ``"miss"``."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is not None and not e.ready:
+                return "pending"
+            if e is not None and e.record is not None:
+                if not e.transient:
+                    self._entries.move_to_end(key)
+                self.counters["lookup_hits"] += 1
+                return "hit"
+            if self.dir is None:
+                self.counters["lookup_misses"] += 1
+                return "miss"
+            record = self._read_file(key)  # only on disk, or never seen by this process
+            if record is None:
+                if e is not None:
+                    del self._entries[key]
+                self.counters["lookup_misses"] += 1
+                return "miss"
+            sink = self.codec.info(record)[2]
+            if e is None:
+                e = self._entries[key] = _Entry(level=0, sink=sink, budget=0, ready=True, busy=False, on_disk=True)
+                self._entries.move_to_end(key, last=False)  # disk-only blocks are the coldest
+            e.record, e.transient, e.level = record, True, self._level_of(record)
+            self.counters["lookup_hits"] += 1
+            self.counters["disk_hits"] += 1
+            return "hit"
+
+    def _level_of(self, record: torch.Tensor) -> int:
+        bits, rotate, _, kg = self.codec.info(record)
+        for i, lv in enumerate(self.levels):
+            if lv == (bits, rotate, kg):
+                return i
+        return 0  # a record of another level of the same policy family: decodes all the same
+
+    def pin(self, keys: list[bytes]) -> None:
+        """Protect hit blocks from step-down, eviction and dropping until :meth:`unpin`."""
+        with self._lock:
+            for key in keys:
+                e = self._entries.get(key)
+                if e is None or not e.ready or e.record is None:
+                    raise KVTierError(f"block {key.hex()[:16]}... was not a hit: pin only what lookup returned as hit")
+                e.pins += 1
+                if not e.transient:
+                    self._entries.move_to_end(key)
+
+    def unpin(self, keys: list[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                e = self._entries.get(key)
+                if e is None or e.pins == 0:
+                    continue
+                e.pins -= 1
+                if e.pins == 0 and e.transient:
+                    e.record, e.transient = None, False
+
+    def touch(self, keys: list[bytes]) -> None:
+        """Mark blocks as recently used."""
+        with self._lock:
+            for key in keys:
+                e = self._entries.get(key)
+                if e is not None and e.record is not None and not e.transient:
+                    self._entries.move_to_end(key)
+
+    def reserve(self, keys: list[bytes], sinks: list[int]) -> list[bytes]:
+        """Start storing the blocks not held yet; returns those keys (stores then run :meth:`put`).
+
+        ``sinks[i]``: exact leading tokens of block ``i`` (non-zero for a sequence's first block).
+        """
+        out = []
+        with self._lock:
+            for key, sink in zip(keys, sinks):
+                if key in self._entries:
+                    continue
+                size = self.record_bytes(0, sink)
+                if size > self.cpu_bytes:  # a record must pass through RAM
+                    self.counters["store_refused"] += 1
+                    continue
+                self._entries[key] = _Entry(level=0, sink=sink, budget=size)
+                self._ram += size
+                out.append(key)
+            self._make_room()
+        return out
+
+    def abort(self, keys: list[bytes]) -> None:
+        """Forget blocks whose store did not happen."""
+        with self._lock:
+            for key in keys:
+                e = self._entries.get(key)
+                if e is not None and not e.ready:
+                    self._remove(key)
+
+    def maintain(self) -> None:
+        """Drop read-for-load copies no load pinned, and bring RAM back within the budget."""
+        with self._lock:
+            for e in self._entries.values():
+                if e.transient and e.pins == 0:
+                    e.record, e.transient = None, False
+            self._make_room()
+
+    def _remove(self, key: bytes) -> None:
+        e = self._entries.pop(key)
+        self._ram -= e.budget
+
+    def _movable(self, e: _Entry) -> bool:
+        return e.ready and not e.busy and e.pins == 0 and e.record is not None and not e.transient
+
+    def _make_room(self) -> None:
+        over = self._ram - self.cpu_bytes
+        if over <= 0:
+            return
+        # 1. step down, least recently used first, until every block is at its coldest RAM level
+        for key, e in self._entries.items():
+            if over <= 0:
+                break
+            if self._movable(e) and e.level + 1 < len(self.levels):
+                new = self.record_bytes(e.level + 1, e.sink)
+                over -= e.budget - new
+                self._ram -= e.budget - new
+                e.budget, e.busy = new, True
+                self.counters["step_downs"] += 1
+                self.submit(self._step_down, key, e)
+        # 2. leave RAM, least recently used first: to disk (already written through) or out
+        for key, e in list(self._entries.items()):
+            if over <= 0:
+                break
+            if not self._movable(e):
+                continue
+            over -= e.budget
+            if e.on_disk:
+                self._ram -= e.budget
+                e.record, e.budget = None, 0
+                self.counters["to_disk"] += 1
+            else:
+                self._remove(key)
+                self.counters["evicted"] += 1
+
+    def reset(self) -> None:
+        """Forget every block (RAM and, with a disk, this namespace's block files)."""
+        with self._lock:
+            self._entries.clear()
+            self._ram = 0
+            if self.dir is not None:
+                for path in self.dir.glob("*" + SUFFIX):
+                    path.unlink(missing_ok=True)
+
+    # --- worker side ------------------------------------------------------------------------
+    def put(self, key: bytes, kv: torch.Tensor) -> None:
+        """Encode and keep a reserved block ``kv: [L, H, 2, T, D]`` (worker thread)."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None or e.ready:  # reset or aborted meanwhile
+                return
+            bits, rotate, kg = self.levels[e.level]
+            sink = e.sink
+        t0 = time.perf_counter()
+        try:
+            record = self.codec.encode(kv, bits, rotate, sink, kg)
+        except Exception:
+            with self._lock:
+                if self._entries.get(key) is e:
+                    self._remove(key)
+            raise
+        on_disk = self.dir is not None and self._write_file(key, record)
+        with self._lock:
+            if self._entries.get(key) is e:
+                e.record, e.ready, e.busy, e.on_disk = record, True, False, on_disk
+                self._ram += record.numel() - e.budget
+                e.budget = record.numel()
+        self.counters["stored"] += 1
+        self.counters["store_ns"] += int((time.perf_counter() - t0) * 1e9)
+
+    def _step_down(self, key: bytes, e: _Entry) -> None:
+        with self._lock:
+            record = e.record
+        if record is None or e.level + 1 >= len(self.levels):
+            return
+        bits, rotate, kg = self.levels[e.level + 1]
+        try:
+            new = self.codec.step_down(record, bits, rotate, kg)
+        except Exception:
+            logger.exception("kvtier: a block could not be stepped down; it stays as it was")
+            new = None
+        with self._lock:
+            if self._entries.get(key) is e and e.record is record:
+                if new is not None:
+                    e.record, e.level = new, e.level + 1
+                    self._ram += new.numel() - e.budget
+                else:
+                    self._ram += record.numel() - e.budget
+                e.budget = e.record.numel()
+            e.busy = False
+
+    def read(self, key: bytes, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``kv: [L, H, 2, T, D]`` of a pinned block (worker thread)."""
+        with self._lock:
+            e = self._entries.get(key)
+            record = None if e is None else e.record
+        if record is None:
+            raise KVTierError(f"block {key.hex()[:16]}... is not held: load only pinned blocks")
+        t0 = time.perf_counter()
+        kv = self.codec.decode(record, out)
+        self.counters["loaded"] += 1
+        self.counters["load_ns"] += int((time.perf_counter() - t0) * 1e9)
+        return kv
+
+    def flush(self) -> None:
+        """Wait until every job submitted so far has run."""
+        if not self._closed:
+            try:
+                self._pool.submit(lambda: None).result()
+            except RuntimeError:  # the interpreter is shutting down its thread pools
+                pass
+
+    def close(self) -> None:
+        """Stop the worker thread (after the jobs already submitted); block files stay."""
+        if not self._closed:
+            self._closed = True
+            self._pool.shutdown(wait=True)
+
+    def remove_files(self) -> None:
+        """Delete this store's namespace folder (tests and benchmarks)."""
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)

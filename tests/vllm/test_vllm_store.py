@@ -1,0 +1,285 @@
+"""Unit tests of the prefix store without an engine: records, budget and step-down, block files."""
+
+import pytest
+
+# "vllm.v1", not "vllm": without vLLM, tests/vllm itself would import as a namespace package "vllm"
+pytest.importorskip("vllm.v1")
+
+import json  # noqa: E402
+
+import torch  # noqa: E402
+
+from kvtier.cache.codecs import KBitCodec  # noqa: E402
+from kvtier.vllm import (  # noqa: E402
+    POLICIES,
+    BlockCodec,
+    BlockFormat,
+    PrefixStore,
+    RecordCorrupt,
+    StoreConfig,
+    StorePolicy,
+    get_store_policy,
+    kv_transfer_config,
+)
+
+SMALL = BlockFormat(layers=2, heads=3, tokens=32, head_dim=64, dtype=torch.bfloat16)
+SMOL = BlockFormat(layers=30, heads=3, tokens=128, head_dim=64, dtype=torch.bfloat16)  # SmolLM2-135M
+
+
+def block(fmt: BlockFormat, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(fmt.shape, generator=g).to(fmt.dtype)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big") + (0).to_bytes(4, "big")
+
+
+@pytest.mark.parametrize(
+    "bits,rotate,sink", [(None, False, 0), (4, False, 0), (4, False, 5), (3, True, 0), (8, False, 31)]
+)
+def test_record_round_trip(bits, rotate, sink):
+    codec = BlockCodec(SMALL)
+    kv = block(SMALL, 0)
+    rec = codec.encode(kv, bits, rotate, sink)
+    assert rec.numel() == codec.record_bytes(bits, rotate, sink)
+    assert codec.verify(rec)[:3] == (bits, rotate, sink if bits else 0)
+    out = codec.decode(rec)
+    assert out.shape == kv.shape and out.dtype == kv.dtype
+    if bits is None:
+        assert torch.equal(out, kv)
+        return
+    assert torch.equal(out[:, :, :, :sink], kv[:, :, :, :sink])  # sinks stay exact
+    err = (out.float() - kv.float()).abs()[:, :, :, sink:]
+    rng = kv.float().abs().amax()
+    assert err.max() <= 0.75 * 2 * rng / (2**bits - 1) * (4 if rotate else 1)
+
+
+def test_all_valid_path_matches_kbit_codec_bytes():
+    codec = BlockCodec(SMALL)
+    kv = block(SMALL, 1)
+    valid = torch.ones(SMALL.layers, 1, 1, SMALL.tokens, dtype=torch.bool)
+    for bits, rotate in [(4, False), (3, True), (2, False)]:
+        fast = codec._encode_all_valid(kv, bits, rotate, SMALL.tokens)
+        ref = KBitCodec(bits, 64, rotate).encode(kv[:, :, 0:1], kv[:, :, 1:2], valid)
+        assert all(torch.equal(fast[n], ref[n]) for n in ref)
+
+
+def test_fast_pack_and_decode_match_kvtier_quant():
+    from kvtier.quant import pack_bits
+    from kvtier.vllm.blocks import _pack, _unpack
+
+    for bits in range(1, 9):
+        codes = torch.randint(0, 1 << bits, (3, 5, 64), dtype=torch.uint8)
+        assert torch.equal(_pack(codes, bits), pack_bits(codes, bits)), bits
+        assert torch.equal(_unpack(_pack(codes, bits), bits, 64), codes), bits
+    codec = BlockCodec(SMALL)
+    kv = block(SMALL, 3)
+    L, H, _, T, D = SMALL.shape
+    for bits, rotate in [(4, False), (4, True), (3, True), (2, False)]:
+        fields = KBitCodec(bits, 64, rotate).encode(
+            kv[:, :, 0:1], kv[:, :, 1:2], torch.ones(L, 1, 1, T, dtype=torch.bool)
+        )
+        k, v = codec._decode_fields(fields, bits, rotate)
+        ref = KBitCodec(bits, 64, rotate)
+        assert torch.equal(k, ref.decode_keys(fields, D, SMALL.dtype))
+        assert torch.equal(v, ref.decode_values(fields, D, SMALL.dtype))
+
+
+def test_sizes_against_bf16():
+    codec = BlockCodec(SMOL)
+    ratio = {(b, r): codec.record_bytes(b, r, 0, g) / SMOL.exact_bytes for b, r, g in [(4, False, 128), (3, True, 64)]}
+    assert ratio[(4, False)] <= 0.28 and ratio[(3, True)] <= 0.22
+    # a 23-block prefix with a 32-token exact sink in its first block
+    prefix = (codec.record_bytes(4, False, 32) + 22 * codec.record_bytes(4, False, 0)) / (23 * SMOL.exact_bytes)
+    assert prefix <= 0.30
+
+
+def test_verify_rejects_corruption_truncation_and_other_formats():
+    codec = BlockCodec(SMALL)
+    rec = codec.encode(block(SMALL, 2), 4, False, 0)
+    bad = rec.clone()
+    bad[-7] ^= 0x10
+    with pytest.raises(RecordCorrupt, match="crc32"):
+        codec.verify(bad)
+    with pytest.raises(RecordCorrupt, match="bytes"):
+        codec.verify(rec[:-1].clone())
+    with pytest.raises(RecordCorrupt, match="header"):
+        codec.verify(rec[:10].clone())
+    other = BlockCodec(BlockFormat(2, 3, 32, 64, torch.float16))
+    with pytest.raises(RecordCorrupt, match="format"):
+        other.verify(rec)
+
+
+def test_store_put_lookup_pin_read():
+    store = PrefixStore(get_store_policy("default"), SMALL, cpu_bytes=1 << 20)
+    try:
+        assert store.lookup(key(1)) == "miss"
+        assert store.reserve([key(1), key(2)], [5, 0]) == [key(1), key(2)]
+        assert store.lookup(key(1)) == "pending"
+        assert store.reserve([key(1)], [5]) == []  # already held
+        kv1, kv2 = block(SMALL, 1), block(SMALL, 2)
+        store.put(key(1), kv1)
+        store.put(key(2), kv2)
+        assert store.lookup(key(1)) == "hit"
+        store.pin([key(1)])
+        out = store.read(key(1))
+        assert torch.equal(out[:, :, :, :5], kv1[:, :, :, :5])
+        store.unpin([key(1)])
+        assert store.ram_bytes == store.record_bytes(0, 5) + store.record_bytes(0, 0)
+        with pytest.raises(Exception, match="not a hit"):
+            store.pin([key(3)])
+    finally:
+        store.close()
+
+
+def fill(store: PrefixStore, fmt: BlockFormat, n: int, start: int = 0) -> None:
+    for i in range(start, start + n):
+        for k in store.reserve([key(i)], [0]):
+            store.put(k, block(fmt, i))
+            store.flush()  # step-down jobs of the reservation
+        store.maintain()
+        store.flush()
+
+
+def held(store: PrefixStore) -> int:
+    return sum(store.stats()["blocks"].get(n, 0) for n in ("exact", "int4", "int3-rot", "int8"))
+
+
+def test_capacity_at_fixed_bytes_default_vs_exact():
+    budget = 6 * BlockCodec(SMOL).record_bytes(None, False, 0)  # six exact blocks of SmolLM2
+    exact = PrefixStore(get_store_policy("exact"), SMOL, budget)
+    default = PrefixStore(get_store_policy("default"), SMOL, budget)
+    try:
+        fill(exact, SMOL, 8)
+        fill(default, SMOL, 40)
+        assert held(exact) == 6 and exact.ram_bytes <= budget
+        assert default.ram_bytes <= budget
+        assert held(default) >= 3.5 * held(exact), default.stats()
+    finally:
+        exact.close()
+        default.close()
+
+
+def test_step_down_order_then_eviction():
+    fmt = SMALL
+    codec = BlockCodec(fmt)
+    b4, b3 = codec.record_bytes(4, False, 0), codec.record_bytes(3, True, 0, 64)
+    store = PrefixStore(get_store_policy("default"), fmt, cpu_bytes=10 * b4)
+    try:
+        fill(store, fmt, 10)
+        assert store.stats()["blocks"] == {"int4": 10}
+        fill(store, fmt, 1, start=10)  # one over: the oldest step down to 3-bit, just enough; nothing leaves
+        need = -(-b4 // (b4 - b3))
+        levels = [store._entries[key(i)].level for i in range(11)]
+        assert levels == [1] * need + [0] * (11 - need)
+        assert store.stats().get("evicted", 0) == 0 and store.ram_bytes <= 10 * b4
+        fill(store, fmt, 30, start=11)  # far over: every block 3-bit first, then the oldest leave
+        st = store.stats()
+        assert st["evicted"] > 0 and store.ram_bytes <= 10 * b4
+        assert store.lookup(key(40)) == "hit" and store.lookup(key(0)) == "miss"
+        assert held(store) == (10 * b4) // b3
+    finally:
+        store.close()
+
+
+def test_pinned_blocks_are_not_evicted():
+    codec = BlockCodec(SMALL)
+    store = PrefixStore(get_store_policy("exact"), SMALL, cpu_bytes=2 * codec.record_bytes(None, False, 0))
+    try:
+        fill(store, SMALL, 2)
+        store.pin([key(0)])
+        fill(store, SMALL, 3, start=2)
+        assert store.lookup(key(0)) == "hit"
+        store.unpin([key(0)])
+        fill(store, SMALL, 2, start=5)
+        assert store.lookup(key(0)) == "miss"
+    finally:
+        store.close()
+
+
+def test_disk_write_through_restart_and_damaged_files(tmp_path):
+    policy = get_store_policy("default")
+    store = PrefixStore(policy, SMALL, cpu_bytes=1 << 20, disk_path=tmp_path, namespace="ns")
+    kvs = {i: block(SMALL, i) for i in range(4)}
+    for i, kv in kvs.items():
+        (k,) = store.reserve([key(i)], [0])
+        store.put(k, kv)
+    expected = {i: store.read(key(i)) for i in kvs}
+    store.close()
+    files = sorted((tmp_path / "ns").glob("*.kvb"))
+    assert len(files) == 4
+    # damage: flip a byte, truncate, delete
+    data = bytearray(store.path(key(1)).read_bytes())
+    data[len(data) // 2] ^= 1
+    store.path(key(1)).write_bytes(bytes(data))
+    with open(store.path(key(2)), "r+b") as fh:
+        fh.truncate(100)
+    store.path(key(3)).unlink()
+    again = PrefixStore(policy, SMALL, cpu_bytes=1 << 20, disk_path=tmp_path, namespace="ns")
+    try:
+        assert [again.lookup(key(i)) for i in range(4)] == ["hit", "miss", "miss", "miss"]
+        assert again.stats()["corrupt"] == 2
+        assert not again.path(key(1)).exists() and not again.path(key(2)).exists()  # removed: stored anew later
+        again.pin([key(0)])
+        assert torch.equal(again.read(key(0)), expected[0])
+        again.unpin([key(0)])
+        assert again.ram_bytes == 0  # a disk block read for a load is not kept in RAM
+        assert again.lookup(key(0)) == "hit"
+        again.maintain()  # an unpinned read-for-load copy is dropped at the step's end
+        assert again._entries[key(0)].record is None
+    finally:
+        again.close()
+
+
+def test_disk_blocks_leave_ram_instead_of_eviction(tmp_path):
+    codec = BlockCodec(SMALL)
+    store = PrefixStore(
+        get_store_policy("chat"), SMALL, cpu_bytes=2 * codec.record_bytes(4, False, 0), disk_path=tmp_path
+    )
+    try:
+        fill(store, SMALL, 6)
+        st = store.stats()
+        assert st.get("evicted", 0) == 0 and st["to_disk"] == 4 and st["blocks"] == {"int4": 2, "disk": 4}
+        assert all(store.lookup(key(i)) == "hit" for i in range(6))
+    finally:
+        store.close()
+
+
+def test_policy_validation_one_line_errors():
+    with pytest.raises(ValueError, match=r"StorePolicy.bits=5 is not allowed"):
+        StorePolicy(bits=5)
+    with pytest.raises(ValueError, match=r"cold_bits=4 is not allowed with bits=4"):
+        StorePolicy(bits=4, cold_bits=4)
+    with pytest.raises(ValueError, match=r"sink_tokens=-1"):
+        StorePolicy(sink_tokens=-1)
+    with pytest.raises(ValueError, match="unknown kvtier vLLM store policy 'fast'"):
+        kv_transfer_config("fast")
+    with pytest.raises(ValueError, match="cpu_bytes=0 is not allowed"):
+        kv_transfer_config("default", cpu_bytes=0)
+    for name in POLICIES:
+        assert isinstance(get_store_policy(name), StorePolicy)
+
+
+def test_kv_transfer_config_round_trips_through_json():
+    cfg = kv_transfer_config("default", cpu_bytes=1 << 30, disk_path="/tmp/x")
+    assert cfg.kv_connector == "OffloadingConnector"
+    extra = cfg.kv_connector_extra_config
+    assert extra["spec_module_path"] == "kvtier.vllm.spec"
+    assert StoreConfig.from_extra(extra) == StoreConfig("default", 1 << 30, "/tmp/x")
+    text = kv_transfer_config(StorePolicy(bits=6, cold_bits=None), cpu_bytes=1 << 30, as_json=True)
+    back = StoreConfig.from_extra(json.loads(text)["kv_connector_extra_config"])
+    assert back.store_policy == StorePolicy(bits=6, cold_bits=None)
+
+
+def test_import_kvtier_vllm_pulls_no_transformers_adapter():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvtier; assert 'vllm' not in sys.modules and 'kvtier.vllm' not in sys.modules; "
+        "import kvtier.vllm, kvtier.vllm.spec; "
+        "assert not [m for m in sys.modules if m.startswith('kvtier.hf')], 'kvtier.hf imported'; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
