@@ -22,7 +22,7 @@ from kvtier.diagnostics import reachable_tensor_bytes
 from kvtier.eval.perplexity import book_windows
 from kvtier.eval.texts import load_texts
 from kvtier.models import load_model
-from kvtier.plan import plan
+from kvtier.sizing import estimate
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
                 model(ids[:, s : s + args.chunk], cache=cache, logits_to_keep=1)
         r = cache.memory_report()
         reach = reachable_tensor_bytes(cache)
-        planned = plan("smollm2-135m", args.tokens, name, 1, torch.float32)
+        planned = estimate("smollm2-135m", args.tokens, name, 1, torch.float32)
         row = {
             "preset": name,
             "tokens": args.tokens,

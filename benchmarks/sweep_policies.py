@@ -22,8 +22,8 @@ from kvtier.eval.caches import cache_spec
 from kvtier.eval.perplexity import book_windows, streamed_nll
 from kvtier.eval.texts import load_texts
 from kvtier.models import load_model
-from kvtier.plan import plan
 from kvtier.policy import SparsePolicy
+from kvtier.sizing import estimate
 
 D = get_policy("default")
 CANDIDATES = {
@@ -95,8 +95,8 @@ def main() -> None:
         for b, w in windows.items():
             r = streamed_nll(model, w, cache_spec(pol.replace(name=name)))
             deltas[b] = 100 * (r.ppl / base[b].ppl - 1)
-        ratio8k = plan("smollm2-135m", 8192, pol, 1, torch.float32).ratio
-        ratio_len = plan("smollm2-135m", args.length, pol, 1, torch.float32).ratio
+        ratio8k = estimate("smollm2-135m", 8192, pol, 1, torch.float32).ratio
+        ratio_len = estimate("smollm2-135m", args.length, pol, 1, torch.float32).ratio
         row = {
             "policy": name,
             "dppl_pct": deltas,

@@ -9,7 +9,7 @@ import torch
 import kvtier
 from kvtier import TierPolicy, get_policy
 from kvtier.cache.codecs import FP8, FP8_MAX, Fp8Codec, KBitCodec, make_codecs
-from kvtier.plan import ModelShape, plan
+from kvtier.sizing import ModelShape, estimate
 
 # Every finite e4m3 value, ascending (the oracle rounds to the nearest of them in float64).
 _GRID = torch.arange(256, dtype=torch.uint8).view(FP8).double()
@@ -234,7 +234,7 @@ def test_fp8_plan_equals_memory_report(model, seq, policy):
         cache = kvtier.TieredCache(model.config, p)
         _stream(model, cache, ids, 100)
     report = cache.memory_report()
-    planned = plan(ModelShape("tiny", ["full_attention"] * 4, 2, 16), seq, p, 2, torch.float32)
+    planned = estimate(ModelShape("tiny", ["full_attention"] * 4, 2, 16), seq, p, 2, torch.float32)
     assert planned.total_bytes == report.total_bytes
     assert planned.per_tier == {t: b for t, b in report.per_tier.items() if b or t in planned.per_tier}
 

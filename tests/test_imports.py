@@ -178,7 +178,7 @@ CORE = textwrap.dedent(
     import kvtier
     kvtier.TierPolicy()
     kvtier.get_policy("default")
-    import kvtier.plan, kvtier.cache.tiers, kvtier.cache.codecs, kvtier.cache.state, kvtier.offload.store
+    import kvtier.sizing, kvtier.cache.tiers, kvtier.cache.codecs, kvtier.cache.state, kvtier.offload.store
     import kvtier.offload.tier, kvtier.kernels.cpu, kvtier.quant, kvtier.attention.tiered, kvtier.diagnostics
     import kvtier.cli
     assert kvtier.cli.main(["plan", "--model", "llama-2-13b", "--seq-len", "32768", "--json"]) == 0

@@ -19,7 +19,7 @@ import torch
 
 from kvtier import OffloadPolicy, SparsePolicy, TierPolicy, get_policy
 from kvtier.cli import main
-from kvtier.plan import ModelShape, model_shape, plan
+from kvtier.sizing import ModelShape, estimate, model_shape
 
 
 @dataclass(frozen=True)
@@ -192,13 +192,15 @@ CASES = [
     ),
     raises("shape kv 0", lambda _: ModelShape("m", ["full_attention"], 0, 64), ValueError, "kv_heads=0"),
     raises("shape no layers", lambda _: ModelShape("m", [], 2, 64), ValueError, "layers=0"),
-    raises("seq 0", lambda _: plan("llama-2-7b", 0), ValueError, "seq_len=0"),
-    raises("seq 1e13", lambda _: plan("llama-2-7b", 10**13), ValueError, "seq_len=10000000000000", "16777216"),
-    raises("batch 0", lambda _: plan("llama-2-7b", 10, batch=0), ValueError, "batch=0"),
-    raises("batch huge", lambda _: plan("llama-2-7b", 10, batch=1 << 17), ValueError, "batch=131072"),
-    raises("tokens in all", lambda _: plan("llama-2-7b", 1 << 24, batch=8), ValueError, "batch * seq_len", "67108864"),
-    raises("plan dtype", lambda _: plan("llama-2-7b", 10, dtype=torch.int8), ValueError, "dtype=torch.int8"),
-    raises("plan policy", lambda _: plan("llama-2-7b", 10, "fast"), ValueError, "policy='fast'"),
+    raises("seq 0", lambda _: estimate("llama-2-7b", 0), ValueError, "seq_len=0"),
+    raises("seq 1e13", lambda _: estimate("llama-2-7b", 10**13), ValueError, "seq_len=10000000000000", "16777216"),
+    raises("batch 0", lambda _: estimate("llama-2-7b", 10, batch=0), ValueError, "batch=0"),
+    raises("batch huge", lambda _: estimate("llama-2-7b", 10, batch=1 << 17), ValueError, "batch=131072"),
+    raises(
+        "tokens in all", lambda _: estimate("llama-2-7b", 1 << 24, batch=8), ValueError, "batch * seq_len", "67108864"
+    ),
+    raises("plan dtype", lambda _: estimate("llama-2-7b", 10, dtype=torch.int8), ValueError, "dtype=torch.int8"),
+    raises("plan policy", lambda _: estimate("llama-2-7b", 10, "fast"), ValueError, "policy='fast'"),
     # --- CLI: one line on stderr, exit 2 ------------------------------------------------------
     cli("plan seq 1e13", ["plan", "--model", "llama-2-13b", "--seq-len", "10000000000000"], "seq_len=10000000000000"),
     cli("plan batch", ["plan", "--model", "llama-2-13b", "--seq-len", "8", "--batch", "100000"], "batch=100000"),

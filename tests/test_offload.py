@@ -22,7 +22,7 @@ from kvtier.diagnostics import reachable_tensor_bytes
 from kvtier.offload.records import RecordLayout
 from kvtier.offload.sketch import KeySketch, block_lse, block_lse_torch
 from kvtier.offload.store import BlockStore, RecordError, slab_sizes, store_capacity
-from kvtier.plan import ModelShape, plan
+from kvtier.sizing import ModelShape, estimate
 
 
 def off_policy(hot=9, block=7, sinks=3, warm=0, dtype="model", **offload) -> TierPolicy:
@@ -490,7 +490,7 @@ def test_plan_matches_report(seq, batch, store_bits, backend, tmp_path):
         for s in range(0, seq, 700):
             model(ids[:, s : s + 700], cache=cache)
     report = cache.memory_report()
-    planned = plan(ModelShape("tiny", ["full_attention"] * 2, 2, 16), seq, pol, batch, torch.float32)
+    planned = estimate(ModelShape("tiny", ["full_attention"] * 2, 2, 16), seq, pol, batch, torch.float32)
     assert planned.offloaded_bytes == report.offloaded_bytes
     assert abs(planned.resident_bytes - report.resident_bytes) <= 0.02 * report.resident_bytes
     assert abs(planned.total_bytes - report.total_bytes) <= 0.02 * report.total_bytes

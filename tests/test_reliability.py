@@ -387,7 +387,7 @@ def test_cap_arguments_are_checked(llama):
 
 def test_planner_prices_the_cap(llama):
     """``kvtier plan --max-bytes``: the tokens a capped cache takes before CacheFullError, exactly."""
-    from kvtier.plan import ModelShape, capped_tokens
+    from kvtier.sizing import ModelShape, capped_tokens
 
     cfg = llama.config
     shape = ModelShape("tiny", ("full_attention",) * cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)

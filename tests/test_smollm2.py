@@ -72,7 +72,7 @@ def test_exact_beam_search_3(smol):
 
 @pytest.mark.parametrize("policy", ["default", "max-compression"])
 def test_plan_matches_real_run(smol, policy):
-    from kvtier.plan import plan
+    from kvtier.sizing import estimate
 
     model, tok, text = smol
     ids = _ids(tok, text, 2048, offset=20000)
@@ -82,7 +82,7 @@ def test_plan_matches_real_run(smol, policy):
             model(ids[:, s : s + 512], cache=cache)
     report = cache.memory_report()
     assert report.total_bytes == reachable_tensor_bytes(cache)
-    planned = plan("smollm2-135m", ids.shape[1], policy, 1, torch.float32)
+    planned = estimate("smollm2-135m", ids.shape[1], policy, 1, torch.float32)
     assert abs(planned.total_bytes - report.total_bytes) <= 0.02 * report.total_bytes
     assert planned.fp16_bytes == report.dense_fp16_bytes
 
@@ -95,7 +95,7 @@ def test_evicting_cap_keeps_a_needle_in_the_sinks(smol):
     key's tokens after "The secret number is"): SmolLM2-135M does not answer a number told this
     early greedily even with the full cache, but it ranks its digits first."""
     from kvtier.eval.recall import ANSWER_PREFIX, QUESTION
-    from kvtier.plan import capped_tokens, model_shape, plan
+    from kvtier.sizing import capped_tokens, estimate, model_shape
 
     model, tok, text = smol
     key = "48213"
@@ -108,7 +108,7 @@ def test_evicting_cap_keeps_a_needle_in_the_sinks(smol):
     head = tok.apply_chat_template([system], tokenize=False)
     assert len(tok(head, add_special_tokens=False).input_ids) <= 32  # the needle sits in the sink tokens
     shape = model_shape("smollm2-135m")
-    cap = plan(shape, 4096, "default", dtype=model.dtype).total_bytes // 2
+    cap = estimate(shape, 4096, "default", dtype=model.dtype).total_bytes // 2
     assert capped_tokens(shape, cap, "default", dtype=model.dtype) < ctx.shape[1]  # it must evict
     no_sinks = kvtier.get_policy("default").replace(sink_tokens=0)
     scores = {}

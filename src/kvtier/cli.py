@@ -66,12 +66,12 @@ def _bytes(text: str) -> int:
 
 # --- plan -------------------------------------------------------------------------------------
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .plan import capped_tokens, format_plans, model_shape, plan
+    from .sizing import capped_tokens, estimate, format_estimates, model_shape
 
     shape = model_shape(args.model)
     names = list(PRESETS) if args.policy == "all" else [args.policy]
-    plans = [plan(shape, args.seq_len, name, args.batch, args.dtype) for name in names]
-    print(format_plans(shape, plans))
+    plans = [estimate(shape, args.seq_len, name, args.batch, args.dtype) for name in names]
+    print(format_estimates(shape, plans))
     capped: dict[str, int] = {}
     if args.max_bytes is not None:
         capped = {

@@ -1,8 +1,9 @@
-"""Memory planner: bytes per tier for a model, a sequence length and a policy, before running.
+"""Memory sizing (the ``kvtier plan`` command): bytes per tier for a model, a sequence length and a
+policy, before running. (The *attention* plan, one per forward step, is :mod:`kvtier.attention.plan`.)
 
-The planner replays the cache's placement rules (hot window, block migration, warm capacity,
+:func:`estimate` replays the cache's placement rules (hot window, block migration, warm capacity,
 sinks) as arithmetic and prices each tier with the same codec byte formulas the cache stores, so
-a plan and ``TieredCache.memory_report()`` after a real run agree (tests check within 2%).
+an estimate and ``TieredCache.memory_report()`` after a real run agree (tests check within 2%).
 
 Inputs are bounded (``MAX_SEQ_LEN``, ``MAX_BATCH``, ``MAX_TOTAL_TOKENS``, ``MAX_SHAPE``): the
 offloaded store's slab plan is replayed slab by slab, so its cost grows with ``batch * seq_len``.
@@ -128,7 +129,7 @@ def model_shape(model: str) -> ModelShape:
 
 
 @dataclass
-class Plan:
+class Estimate:
     """Planned bytes per tier (summed over layers) for one policy."""
 
     policy: str
@@ -172,7 +173,7 @@ class Plan:
         }
 
 
-def layer_plan(policy: TierPolicy, n: int, B: int, H: int, D: int, dtype: torch.dtype) -> tuple[dict, dict]:
+def layer_estimate(policy: TierPolicy, n: int, B: int, H: int, D: int, dtype: torch.dtype) -> tuple[dict, dict]:
     """Bytes and token slots per tier of one tiered layer after ``n`` tokens (no padding)."""
     elt = torch.empty((), dtype=storage_dtype(policy, dtype)).element_size()
     if policy.hot_tokens is None:
@@ -207,14 +208,14 @@ def layer_plan(policy: TierPolicy, n: int, B: int, H: int, D: int, dtype: torch.
     return nbytes, tokens
 
 
-def plan(
+def estimate(
     model: str | ModelShape,
     seq_len: int,
     policy: str | TierPolicy = "default",
     batch: int = 1,
     dtype: torch.dtype = torch.float16,
-) -> Plan:
-    """Plan the bytes of a :class:`~kvtier.TieredCache` holding ``seq_len`` tokens per row.
+) -> Estimate:
+    """Estimate the bytes of a :class:`~kvtier.TieredCache` holding ``seq_len`` tokens per row.
 
     Raises
     ------
@@ -239,7 +240,7 @@ def plan(
     fp16 = 0
     for i, kind in enumerate(shape.layer_types):
         if kind == "full_attention":
-            nbytes, toks = layer_plan(pol.for_layer(i, shape.num_layers), n, B, H, D, dtype)
+            nbytes, toks = layer_estimate(pol.for_layer(i, shape.num_layers), n, B, H, D, dtype)
             for k, v in nbytes.items():
                 per_tier[k] += v
             for k, v in toks.items():
@@ -252,7 +253,7 @@ def plan(
     for optional in ("store", "other"):
         if not per_tier[optional]:
             del per_tier[optional]
-    return Plan(pol.name, seq_len, batch, fp16, per_tier, tokens)
+    return Estimate(pol.name, seq_len, batch, fp16, per_tier, tokens)
 
 
 def capped_tokens(
@@ -269,19 +270,19 @@ def capped_tokens(
     if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
         raise ValueError(f"max_bytes={max_bytes!r} is not allowed: expected an int > 0 (bytes)")
     shape = model if isinstance(model, ModelShape) else model_shape(model)
-    lo, hi = 0, min(MAX_SEQ_LEN, MAX_TOTAL_TOKENS // batch)  # plan(lo) fits (or lo = 0)
-    if plan(shape, hi, policy, batch, dtype).total_bytes <= max_bytes:
+    lo, hi = 0, min(MAX_SEQ_LEN, MAX_TOTAL_TOKENS // batch)  # estimate(lo) fits (or lo = 0)
+    if estimate(shape, hi, policy, batch, dtype).total_bytes <= max_bytes:
         return hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if plan(shape, mid, policy, batch, dtype).total_bytes <= max_bytes:
+        if estimate(shape, mid, policy, batch, dtype).total_bytes <= max_bytes:
             lo = mid
         else:
             hi = mid
     return lo
 
 
-def format_plans(shape: ModelShape, plans: list[Plan]) -> str:
+def format_estimates(shape: ModelShape, plans: list[Estimate]) -> str:
     """A readable table of plans (GB = 1e9 bytes)."""
     gb = 1e9
     head = (

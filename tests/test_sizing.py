@@ -11,11 +11,11 @@ import kvtier
 from conftest import tiny_llama
 from kvtier import PRESETS, TierPolicy
 from kvtier.cli import main
-from kvtier.plan import ModelShape, plan
+from kvtier.sizing import ModelShape, estimate
 
 
 def test_llama2_13b_fp16():
-    p = plan("llama-2-13b", 32768, "exact")
+    p = estimate("llama-2-13b", 32768, "exact")
     assert p.fp16_bytes == 2 * 40 * 40 * 128 * 32768 * 2  # 26.84 GB
     assert round(p.fp16_bytes / 1e9, 2) == 26.84
     assert p.total_bytes == p.fp16_bytes
@@ -50,7 +50,7 @@ def test_plan_matches_memory_report(policy, seq, batch):
             model(ids[:, s : s + 700], cache=cache)
     report = cache.memory_report()
     shape = ModelShape("tiny", ["full_attention"] * 3, 2, 16)
-    planned = plan(shape, seq, policy, batch, torch.float32)
+    planned = estimate(shape, seq, policy, batch, torch.float32)
     assert planned.fp16_bytes == report.dense_fp16_bytes
     assert abs(planned.total_bytes - report.total_bytes) <= 0.02 * report.total_bytes
     for tier, b in report.per_tier.items():
