@@ -203,21 +203,23 @@ def _chunk(start, stop, rows, device, selection, force, fused_layer, codecs_affi
     return ChunkPlan(start, stop, rows, exact, packed, other, fused, sketch)
 
 
-def _layout(layer, query: torch.Tensor):
-    tiers = [t for t in (layer.cold, layer.warm) if t is not None]
-    offloaded = getattr(layer.cold, "is_offloaded", False)
-    has_prefix = layer.sinks.k is not None or any(t.nblocks for t in tiers)
-    affine = all(t.codec.AFFINE is not None for t in tiers if not getattr(t, "is_offloaded", False))
+def _layout(layer, query: torch.Tensor) -> tuple:
+    """What a plan depends on, cheap to hash (read once per layer and call): the layer's policy
+    (sparse policy, codecs, offloading: fixed per policy object), whether it holds more than hot
+    tokens, heads, query length, tokens held, device type."""
+    warm, cold = layer.warm, layer.cold
+    has_prefix = layer.sinks.k is not None or bool(
+        (warm is not None and warm.nblocks) or (cold is not None and cold.nblocks)
+    )
     return (
         layer.attention,
-        layer.policy.sparse,
-        offloaded,
+        id(layer.policy),
         has_prefix,
-        affine,
-        tuple(query.shape[1:3]),
+        query.shape[1],
+        query.shape[2],
         layer.kv_heads,
         layer.seen - layer.evicted,
-        query.device,
+        query.device.type,
     )
 
 
@@ -231,16 +233,23 @@ def plan_for(layer, query: torch.Tensor, mask=None, force: str | None = None) ->
         force = ATTENTION_FORCE[layer.attention]
     key = (force, *_layout(layer, query))
     memo = None if mask is None else mask.plans
-    if memo is not None and key in memo:
-        return memo[key]
-    plan = _build(layer, query, force, key)
+    if memo is not None:
+        plan = memo.get(key)
+        if plan is not None:
+            return plan
+    plan = _build(layer, force, *key[3:])
     if memo is not None:
         memo[key] = plan
     return plan
 
 
-def _build(layer, query: torch.Tensor, force: str | None, key) -> AttentionPlan:
-    attention, policy_sparse, offloaded, has_prefix, affine, (Hq, q), H, tokens, device = key[1:]
+def _build(layer, force: str | None, has_prefix: bool, Hq: int, q: int, H: int, tokens: int, device: str):
+    attention = layer.attention
+    policy_sparse = layer.policy.sparse
+    tiers = [t for t in (layer.cold, layer.warm) if t is not None]
+    offloaded = getattr(layer.cold, "is_offloaded", False)
+    affine = all(t.codec.AFFINE is not None for t in tiers if not getattr(t, "is_offloaded", False))
+    device = torch.device(device)
     if force is not None:
         check_force(force, device)
     if force == "reference":
