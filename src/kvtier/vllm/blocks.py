@@ -299,7 +299,11 @@ class BlockCodec:
         vs, vz = _fit(vmn, vmx, bits)
         xk.div_(ks.float()).add_(kz.float())
         xv.div_(vs.float()).add_(vz.float())
-        q = self._buffer("q", x.shape, torch.uint8).copy_(x.round_().clamp_(0, (1 << bits) - 1))
+        # round(x).clamp(0, qmax) as uint8, without the slow float -> uint8 cast: clamped first (the
+        # same codes), then + 2**23 rounds to the nearest integer, ties to even (as torch.round), and
+        # leaves it in the low byte of the float's bits; the int32 -> uint8 cast keeps that byte.
+        x.clamp_(0, (1 << bits) - 1).add_(2.0**23)
+        q = self._buffer("q", x.shape, torch.uint8).copy_(x.view(torch.int32))
         codes = _pack(q, bits, self._buffer)
         return {
             "k_codes": codes[0].view(L, H, n, kg, -1),
