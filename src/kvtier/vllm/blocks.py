@@ -16,6 +16,7 @@ vLLM, transformers or ``kvtier.hf``.
 
 from __future__ import annotations
 
+import math
 import struct
 import threading
 import zlib
@@ -188,10 +189,10 @@ class BlockCodec:
         """A scratch tensor kept per thread (two fp32 copies of a block at most): a fresh one each
         call costs more in page faults than the arithmetic that fills it."""
         bufs = self._scratch.__dict__.setdefault("bufs", {})
-        buf = bufs.get(name)
-        if buf is None or buf.shape != shape or buf.dtype != dtype:
-            buf = bufs[name] = torch.empty(shape, dtype=dtype)
-        return buf
+        buf, numel = bufs.get((name, dtype)), math.prod(shape)
+        if buf is None or buf.numel() != numel:  # encode and decode view the same buffers differently
+            buf = bufs[(name, dtype)] = torch.empty(numel, dtype=dtype)
+        return buf.view(shape)
 
     # --- sizes ------------------------------------------------------------------------------
     def _codec(self, bits: int, rotate: bool) -> KBitCodec:
