@@ -146,26 +146,55 @@ def measure(name: str, model: str, windows: list[list[int]], args, disk: str | N
     return out
 
 
-def codec_times(policy: str, reps: int = 7) -> dict:
-    """Store (encode + record) and load (decode) ms per SmolLM2 block of 30 layers, isolated."""
+def codec_times(policy: str, reps: int = 7, first: bool = False) -> dict:
+    """Store (encode + record) and load (decode) ms per SmolLM2 block of 30 layers, isolated: medians
+    of wall time and of this thread's CPU time (less sensitive to other jobs on the machine).
+    ``first``: the block is a sequence's first (its first ``sink_tokens`` stay exact)."""
     import torch
 
     from kvtier.vllm import BlockFormat, PrefixStore, get_store_policy
 
     fmt = BlockFormat(30, 3, BLOCK, 64, torch.bfloat16)
     store = PrefixStore(get_store_policy(policy), fmt, cpu_bytes=1 << 30)
+    sink = get_store_policy(policy).sink_tokens if first else 0
     kv = torch.randn(fmt.shape).to(fmt.dtype)
-    put, read = [], []
-    for i in range(reps):
+    wall: dict[str, list[float]] = {"put": [], "read": []}
+    cpu: dict[str, list[float]] = {"put": [], "read": []}
+
+    def clocked(name: str, fn) -> None:  # noqa: ANN001
+        w, c = time.perf_counter(), time.thread_time()
+        fn()
+        cpu[name].append(time.thread_time() - c)
+        wall[name].append(time.perf_counter() - w)
+
+    for i in range(reps + 1):  # the first round allocates the scratch buffers: not counted
         key = i.to_bytes(36, "big")
-        (k,) = store.reserve([key], [0])
-        put.append(timed(lambda k=k: store.put(k, kv)))
+        (k,) = store.reserve([key], [sink])
+        clocked("put", lambda k=k: store.put(k, kv))
         store.pin([key])
-        read.append(timed(lambda key=key: store.read(key)))
+        clocked("read", lambda key=key: store.read(key))
         store.unpin([key])
     store.close()
-    p, r = statistics.median(put) * 1e3, statistics.median(read) * 1e3
-    return {"store_ms": p, "load_ms": r, "store_plus_load_ms": p + r}
+    p, r = (statistics.median(wall[n][1:]) * 1e3 for n in ("put", "read"))
+    pc, rc = (statistics.median(cpu[n][1:]) * 1e3 for n in ("put", "read"))
+    return {"store_ms": p, "load_ms": r, "store_plus_load_ms": p + r, "store_cpu_ms": pc, "load_cpu_ms": rc}
+
+
+def codec_only(reps: int) -> None:
+    """``--codec-only``: store and load ms per block of each policy's first codec (one thread)."""
+    import torch
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, policy, first in [("exact", "exact", False), ("default", "default", False), ("compact", "compact", False),
+                               ("compact-first-block", "compact", True)]:  # fmt: skip
+        out[name] = c = codec_times(policy, reps, first)
+        print(
+            f"codec {name:20} store {c['store_ms']:5.2f} ms + load {c['load_ms']:5.2f} ms = "
+            f"{c['store_plus_load_ms']:5.2f} ms/block (CPU {c['store_cpu_ms']:5.2f} + {c['load_cpu_ms']:5.2f} ms)",
+            flush=True,
+        )
+    print(json.dumps({"bench": "vllm_prefix_codec", "reps": reps, "load": os.getloadavg(), "codec": out}))
 
 
 def capacity(cpu_blocks: int = 48) -> dict:
@@ -211,8 +240,12 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=4, help="book windows for the NLL")
     ap.add_argument("--requests", type=int, default=8, help="concurrent requests sharing a prefix")
     ap.add_argument("--cpu-bytes", type=int, default=1 << 30)
+    ap.add_argument("--codec-only", type=int, metavar="REPS", help="only the store/load ms per block, REPS rounds")
     ap.add_argument("--restart-child", nargs=2, metavar=("DISK", "PROMPT_JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.codec_only:
+        codec_only(args.codec_only)
+        return
     from kvtier.models import model_dir
 
     model = str(model_dir())

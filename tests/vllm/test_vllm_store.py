@@ -65,14 +65,42 @@ def test_all_valid_path_matches_kbit_codec_bytes():
         assert all(torch.equal(fast[n], ref[n]) for n in ref)
 
 
+@pytest.mark.parametrize("fmt", [SMALL, SMOL, BlockFormat(2, 2, 64, 128, torch.float16)], ids=["small", "smol", "fp16"])
+def test_fused_encode_with_sinks_and_key_groups_matches_kbit_codec_bytes(fmt):
+    """The fused path (one fp32 buffer for keys and values, sinks out of the statistics) gives
+    ``KBitCodec.encode``'s fields byte for byte, and decodes to ``KBitCodec``'s values."""
+    codec = BlockCodec(fmt)
+    kv = block(fmt, 4) * torch.linspace(0.1, 4, fmt.head_dim).to(fmt.dtype)
+    L, H, _, T, D = fmt.shape
+    cases = [(3, True, 0, 64), (3, True, 32, 64), (4, False, 5, T), (2, False, T // 2 + 3, T // 4), (6, True, 1, 32)]
+    for bits, rotate, sink, kg in cases:
+        kg = min(kg, T)
+        n = T // kg
+        valid = (torch.arange(T) >= sink).view(n, kg).expand(L, 1, n, kg)
+        k, v = (kv[:, :, i].reshape(L, H, n, kg, D) for i in (0, 1))
+        ref = KBitCodec(bits, 64, rotate).encode(k, v, valid)
+        fast = codec._encode_fields(kv, bits, rotate, kg, sink)
+        assert all(torch.equal(fast[name], ref[name]) for name in ref), (bits, rotate, sink, kg)
+        rk, rv = KBitCodec(bits, 64, rotate).decode(ref, D, fmt.dtype)
+        out = codec.decode(codec.encode(kv, bits, rotate, sink, kg))
+        assert torch.equal(out[:, :, 0, sink:], rk.reshape(L, H, T, D)[:, :, sink:]), (bits, rotate, sink, kg)
+        assert torch.equal(out[:, :, 1, sink:], rv.reshape(L, H, T, D)[:, :, sink:]), (bits, rotate, sink, kg)
+
+
 def test_fast_pack_and_decode_match_kvtier_quant():
     from kvtier.quant import pack_bits
     from kvtier.vllm.blocks import _pack, _unpack
 
     for bits in range(1, 9):
-        codes = torch.randint(0, 1 << bits, (3, 5, 64), dtype=torch.uint8)
-        assert torch.equal(_pack(codes, bits), pack_bits(codes, bits)), bits
-        assert torch.equal(_unpack(_pack(codes, bits), bits, 64), codes), bits
+        for shape in [(3, 5, 64), (7, 8), (2, 24)]:
+            codes = torch.randint(0, 1 << bits, shape, dtype=torch.uint8)
+            packed = _pack(codes, bits)
+            assert torch.equal(packed, pack_bits(codes, bits)), (bits, shape)
+            assert torch.equal(_unpack(packed, bits, shape[-1]), codes), (bits, shape)
+            for k in (1, 2):  # packed bytes at an offset not aligned to the planes' word size
+                flat = torch.zeros(packed.numel() + k, dtype=torch.uint8)
+                flat[k:] = packed.reshape(-1)
+                assert torch.equal(_unpack(flat[k:].view(packed.shape), bits, shape[-1]), codes), (bits, shape, k)
     codec = BlockCodec(SMALL)
     kv = block(SMALL, 3)
     L, H, _, T, D = SMALL.shape

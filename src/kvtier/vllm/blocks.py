@@ -16,7 +16,9 @@ vLLM, transformers or ``kvtier.hf``.
 
 from __future__ import annotations
 
+import math
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 
@@ -24,7 +26,8 @@ import torch
 
 from ..cache.codecs import KBitCodec
 from ..errors import KVTierError
-from ..quant import dequantize_kbit, pack_bits, planes, quantize_kbit, rotation, unpack_bits
+from ..quant import pack_bits, planes, rotation, unpack_bits
+from ..quant.groups import SCALE_EPS, ZERO_MAX
 
 MAGIC = b"KVTB"
 VERSION = 1
@@ -71,37 +74,102 @@ class BlockFormat:
         return self.layers * self.heads * 2 * self.tokens * self.head_dim * self.dtype.itemsize
 
 
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def _byte_mask(pattern: int, period: int) -> int:
+    """An int64 mask: ``pattern`` repeated every ``period`` bits (stays below 2**63 here)."""
+    return sum(pattern << i for i in range(0, 64, period))
+
+
+def _stages(w: int) -> list[tuple[int, int, int]]:
+    """``(shift, mask after packing the stage, mask after unpacking it)`` of the three halvings that
+    gather the ``w``-bit fields of 8 bytes of an int64 word into its low ``w`` bytes."""
+    out = []
+    for s in range(3):
+        lane, width = 8 << s, w << s
+        out.append((lane - width, _byte_mask((1 << 2 * width) - 1, 2 * lane), _byte_mask((1 << width) - 1, lane)))
+    return out
+
+
+#: the integer dtype of ``w`` bytes
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def _empty(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def _pack(codes: torch.Tensor, bits: int, buffer=_empty) -> torch.Tensor:  # noqa: ANN001
     """``kvtier.quant.pack_bits`` (planes of 4/2/1 bits, each packed densely along the last axis, low
-    bits first) written with strided slices instead of a broadcast shift per code: the same bytes
-    (``tests/vllm/test_vllm_store.py``), 3-5x faster on the CPU."""
+    bits first) on int64 words: each word holds 8 codes, and three shift-or-mask halvings gather
+    their ``w``-bit fields into its low ``w`` bytes (little-endian, so byte order is code order).
+    The same bytes (``tests/vllm/test_vllm_store.py``), in a few in-place passes over the codes.
+    ``buffer(name, shape, dtype)`` gives the two int64 scratch tensors; the result is new."""
     if bits == 8 or codes.shape[-1] % 8:
         return pack_bits(codes, bits)
-    out, offset = [], 0
+    lead, n = codes.shape[:-1], codes.shape[-1]
+    words = codes.contiguous().view(torch.int64)  # [..., n // 8]; codes < 2**7: non-negative
+    x, t = buffer("pack_x", words.shape, torch.int64), buffer("pack_t", words.shape, torch.int64)
+    out = torch.empty(*lead, n * bits // 8, dtype=torch.uint8)
+    start, offset = 0, 0
     for w in planes(bits):
-        per, mask = 8 // w, (1 << w) - 1
-        plane = (codes >> offset) & mask if bits != w else codes
-        packed = plane[..., 0::per].clone()
-        for j in range(1, per):
-            packed |= plane[..., j::per] << (j * w)
-        out.append(packed)
+        torch.bitwise_and(words, _byte_mask((1 << w) - 1, 8) << offset, out=x)
+        if offset:
+            torch.bitwise_right_shift(x, offset, out=t)
+            x, t = t, x
+        for shift, mask, _ in _stages(w):
+            torch.bitwise_right_shift(x, shift, out=t)
+            x.bitwise_or_(t).bitwise_and_(mask)
+        dst = out[..., start : start + n * w // 8]
+        try:  # the plane's low w bytes as one integer each: a cast
+            dst.view(_WORD[w]).copy_(x)
+        except RuntimeError:  # a slice not aligned to w bytes
+            dst.view(*lead, n // 8, w).copy_(x.view(torch.uint8).view(*x.shape, 8)[..., :w])
+        start += n * w // 8
         offset += w
-    return torch.cat(out, dim=-1) if len(out) > 1 else out[0]
+    return out
 
 
-def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`_pack` (``kvtier.quant.unpack_bits``, same values)."""
+def _unpack(packed: torch.Tensor, bits: int, n: int, buffer=_empty) -> torch.Tensor:  # noqa: ANN001
+    """Inverse of :func:`_pack` (``kvtier.quant.unpack_bits``, same values): the halvings reversed.
+    The result may be a ``buffer`` (scratch) tensor."""
     if bits == 8 or n % 8:
         return unpack_bits(packed, bits, n)
-    codes, start, offset = None, 0, 0
+    lead = packed.shape[:-1]
+    words = buffer("unpack_w", (*lead, n // 8), torch.int64)
+    x, t = buffer("pack_x", words.shape, torch.int64), buffer("pack_t", words.shape, torch.int64)
+    start, offset = 0, 0
     for w in planes(bits):
-        per, mask = 8 // w, (1 << w) - 1
-        chunk = packed[..., start : start + n // per]
-        plane = torch.stack([(chunk >> (j * w)) & mask for j in range(per)], dim=-1).view(*chunk.shape[:-1], n)
-        codes = plane if codes is None else codes | (plane << offset)
-        start += n // per
+        src = packed[..., start : start + n * w // 8]
+        try:
+            x.copy_(src.view(_WORD[w]))  # sign-extended: masked to the low w bytes
+            if w > 1:
+                x.bitwise_and_((1 << 8 * w) - 1)
+        except RuntimeError:  # a slice not aligned to w bytes
+            x.zero_()
+            x.view(torch.uint8).view(*lead, n // 8, 8)[..., :w] = src.view(*lead, n // 8, w)
+        for shift, _, mask in reversed(_stages(w)):
+            torch.bitwise_left_shift(x, shift, out=t)
+            x.bitwise_or_(t).bitwise_and_(mask)
+        if offset == 0:
+            words.copy_(x)
+        else:
+            words.bitwise_or_(torch.bitwise_left_shift(x, offset, out=t))
+        start += n * w // 8
         offset += w
-    return codes
+    return words.view(torch.uint8).view(*lead, n)
+
+
+def _fit(mn: torch.Tensor, mx: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 ``(scale, zero)`` of ``kvtier.quant.quantize_kbit`` from the group minima and maxima
+    (``inf`` / ``-inf`` for a group without valid entries): the same formulas, the same values."""
+    empty = mn > mx
+    mn = torch.where(empty, torch.zeros_like(mn), mn)
+    mx = torch.where(empty, torch.zeros_like(mx), mx)
+    qmax = (1 << bits) - 1
+    amax = torch.maximum(mn.abs(), mx.abs())
+    scale = torch.maximum((mx - mn) / qmax, amax / ZERO_MAX).clamp_min(SCALE_EPS)
+    scale_h = (scale * (1 + 2.0**-10)).to(torch.float16)
+    zero_h = (-mn / scale_h.float()).to(torch.float16)
+    return scale_h, zero_h
 
 
 class BlockCodec:
@@ -115,6 +183,16 @@ class BlockCodec:
                 f"value_group={value_group} is not allowed for head_dim={fmt.head_dim}: expected a divisor"
             )
         self._layouts: dict[tuple[int, bool, int], list[tuple[str, torch.dtype, tuple[int, ...], int]]] = {}
+        self._scratch = threading.local()
+
+    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A scratch tensor kept per thread (two fp32 copies of a block at most): a fresh one each
+        call costs more in page faults than the arithmetic that fills it."""
+        bufs = self._scratch.__dict__.setdefault("bufs", {})
+        buf, numel = bufs.get((name, dtype)), math.prod(shape)
+        if buf is None or buf.numel() != numel:  # encode and decode view the same buffers differently
+            buf = bufs[(name, dtype)] = torch.empty(numel, dtype=dtype)
+        return buf.view(shape)
 
     # --- sizes ------------------------------------------------------------------------------
     def _codec(self, bits: int, rotate: bool) -> KBitCodec:
@@ -175,13 +253,7 @@ class BlockCodec:
         else:
             L, H, _, T, D = f.shape
             kg = self.key_group(key_group)
-            if sink:
-                n, g = T // kg, kg
-                valid = (torch.arange(T) >= sink).view(n, g).expand(L, 1, n, g)
-                k, v = (kv[:, :, i].reshape(L, H, n, g, D) for i in (0, 1))
-                fields = self._codec(bits, rotate).encode(k, v, valid)
-            else:
-                fields = self._encode_all_valid(kv, bits, rotate, kg)
+            fields = self._encode_fields(kv, bits, rotate, kg, sink)
             parts = [fields[n].contiguous().view(torch.uint8).reshape(-1) for n, *_ in self._layout(bits, rotate, kg)]
             if sink:
                 parts.insert(0, kv[:, :, :, :sink].contiguous().view(torch.uint8).reshape(-1))
@@ -196,21 +268,49 @@ class BlockCodec:
         return torch.cat([head, payload])
 
     def _encode_all_valid(self, kv: torch.Tensor, bits: int, rotate: bool, kg: int) -> dict[str, torch.Tensor]:
-        """``KBitCodec.encode`` of a block whose tokens are all valid, without the validity masks
-        (3x cheaper statistics; the same fields, byte for byte: ``tests/vllm/test_store.py``)."""
+        """:meth:`_encode_fields` of a block whose tokens are all valid (no sink)."""
+        return self._encode_fields(kv, bits, rotate, kg, 0)
+
+    def _encode_fields(self, kv: torch.Tensor, bits: int, rotate: bool, kg: int, sink: int) -> dict[str, torch.Tensor]:
+        """``KBitCodec.encode`` of the block (the first ``sink`` tokens left out of the statistics), the
+        same fields byte for byte (``tests/vllm/test_vllm_store.py``), in one fp32 buffer for keys and
+        values of all layers: one conversion, one rotation matmul, min and max per group, the
+        quantization in place, one pack."""
         L, H, _, T, D = kv.shape
-        G, n, g = self.value_group, T // kg, kg
-        k, v = (kv[:, :, i].reshape(L, H, n, g, D) for i in (0, 1))
+        G, n = self.value_group, T // kg
+        x = self._buffer("x", (2, L, H, T, D)).copy_(kv.permute(2, 0, 1, 3, 4))
         if rotate:
-            r = rotation(D, kv.device)
-            k, v = k.float() @ r, v.float() @ r
-        kq, ks, kz = quantize_kbit(k, bits, dim=3)
-        vq, vs, vz = quantize_kbit(v.reshape(L, H, n, g, D // G, G), bits, dim=5)
+            y = self._buffer("y", (2, L, H, T, D))
+            x = torch.mm(x.view(-1, D), rotation(D, kv.device), out=y.view(-1, D)).view(2, L, H, T, D)
+        xk, xv = x[0].view(L, H, n, kg, D), x[1].view(L, H, n, kg, D // G, G)
+        # amin and amax, not aminmax: 20x faster reductions on the CPU
+        kmn, kmx = xk.amin(3, keepdim=True), xk.amax(3, keepdim=True)
+        vmn, vmx = xv.amin(5, keepdim=True), xv.amax(5, keepdim=True)
+        for j in range(min(n, -(-sink // kg))):  # key groups holding sink tokens: statistics of the rest
+            lo = sink - j * kg
+            if lo >= kg:
+                kmn[:, :, j], kmx[:, :, j] = float("inf"), float("-inf")
+            else:
+                rest = xk[:, :, j, lo:]
+                kmn[:, :, j], kmx[:, :, j] = rest.amin(2, keepdim=True), rest.amax(2, keepdim=True)
+        if sink:
+            vmn.view(L, H, T, D // G)[:, :, :sink] = float("inf")
+            vmx.view(L, H, T, D // G)[:, :, :sink] = float("-inf")
+        ks, kz = _fit(kmn, kmx, bits)
+        vs, vz = _fit(vmn, vmx, bits)
+        xk.div_(ks.float()).add_(kz.float())
+        xv.div_(vs.float()).add_(vz.float())
+        # round(x).clamp(0, qmax) as uint8, without the slow float -> uint8 cast: clamped first (the
+        # same codes), then + 2**23 rounds to the nearest integer, ties to even (as torch.round), and
+        # leaves it in the low byte of the float's bits; the int32 -> uint8 cast keeps that byte.
+        x.clamp_(0, (1 << bits) - 1).add_(2.0**23)
+        q = self._buffer("q", x.shape, torch.uint8).copy_(x.view(torch.int32))
+        codes = _pack(q, bits, self._buffer)
         return {
-            "k_codes": _pack(kq, bits),
+            "k_codes": codes[0].view(L, H, n, kg, -1),
             "k_scale": ks,
             "k_zero": kz,
-            "v_codes": _pack(vq.reshape(L, H, n, g, D), bits),
+            "v_codes": codes[1].view(L, H, n, kg, -1),
             "v_scale": vs.squeeze(-1),
             "v_zero": vz.squeeze(-1),
         }
@@ -259,34 +359,44 @@ class BlockCodec:
             kv = payload.view(f.dtype).view(f.shape)
             return kv.clone() if out is None else out.copy_(kv)
         off = self.sink_bytes(sink)
-        fields = {}
+        fields, at = {}, {}
         for name, dtype, shape, n in self._layout(bits, rotate, kg):
-            fields[name] = payload[off : off + n].view(dtype).view(shape)
+            fields[name], at[name] = payload[off : off + n].view(dtype).view(shape), off
             off += n
         out = torch.empty(f.shape, dtype=f.dtype) if out is None else out
         L, H, _, T, D = f.shape
-        k, v = self._decode_fields(fields, bits, rotate)
-        out[:, :, 0] = k.view(L, H, T, D)
-        out[:, :, 1] = v.view(L, H, T, D)
+        k_codes, v_codes = fields["k_codes"], fields["v_codes"]
+        if at["v_codes"] == at["k_codes"] + k_codes.numel():  # adjacent in the payload: no copy
+            codes = payload[at["k_codes"] : at["v_codes"] + v_codes.numel()].view(2, *k_codes.shape)
+        else:
+            codes = torch.stack([k_codes, v_codes])
+        x = self._dequantize(codes, fields, bits, rotate)
+        out.copy_(x.view(2, L, H, T, D).permute(1, 2, 0, 3, 4))
         if sink:
             L, H, _, _, D = f.shape
             out[:, :, :, :sink] = payload[: self.sink_bytes(sink)].view(f.dtype).view(L, H, 2, sink, D)
         return out
 
     def _decode_fields(self, f: dict[str, torch.Tensor], bits: int, rotate: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``KBitCodec.decode_keys`` / ``decode_values`` with the strided unpack of :func:`_unpack`: the same values
-        (``tests/vllm/test_vllm_store.py``). Keys and values ``[L, H, n, g, D]`` in the block dtype."""
-        D, G, dtype = self.fmt.head_dim, self.value_group, self.fmt.dtype
-        out = torch.float32 if rotate else dtype
-        k = dequantize_kbit(_unpack(f["k_codes"], bits, D), f["k_scale"], f["k_zero"], out)
-        vq = _unpack(f["v_codes"], bits, D)
-        shape = vq.shape
-        vq = vq.view(*shape[:-1], D // G, G)
-        v = dequantize_kbit(vq, f["v_scale"].unsqueeze(-1), f["v_zero"].unsqueeze(-1), out).view(shape)
+        """``KBitCodec.decode_keys`` / ``decode_values``: the same values (``tests/vllm/test_vllm_store.py``).
+        Keys and values ``[L, H, n, g, D]`` in the block dtype."""
+        x = self._dequantize(torch.stack([f["k_codes"], f["v_codes"]]), f, bits, rotate).to(self.fmt.dtype)
+        return x[0], x[1]
+
+    def _dequantize(self, codes: torch.Tensor, f: dict[str, torch.Tensor], bits: int, rotate: bool) -> torch.Tensor:
+        """Keys and values ``[2, L, H, n, g, D]`` of packed ``codes: [2, L, H, n, g, packed]`` in one fp32
+        buffer (un-rotated in one matmul), as ``KBitCodec`` computes them before the cast."""
+        D, G = self.fmt.head_dim, self.value_group
+        q = _unpack(codes, bits, D, self._buffer)
+        x = self._buffer("x", q.shape).copy_(q)
+        L, H, n, g = x.shape[1:5]
+        x[0].sub_(f["k_zero"].float()).mul_(f["k_scale"].float())
+        xv = x[1].view(L, H, n, g, D // G, G)
+        xv.sub_(f["v_zero"].unsqueeze(-1).float()).mul_(f["v_scale"].unsqueeze(-1).float())
         if rotate:
-            r = rotation(D, k.device).T
-            k, v = (k @ r).to(dtype), (v @ r).to(dtype)
-        return k, v
+            y = self._buffer("y", x.shape)
+            x = torch.mm(x.view(-1, D), rotation(D, x.device).T, out=y.view(-1, D)).view(x.shape)
+        return x
 
     def step_down(self, record: torch.Tensor, bits: int, rotate: bool, key_group: int | None = None) -> torch.Tensor:
         """The record re-encoded with a smaller codec (the exact sink tokens stay exact)."""

@@ -179,9 +179,13 @@ class KVTierWorker(OffloadingWorker):
             self.pages.append(view)
         self._done: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
         self._jobs: dict[int, Future] = {}
+        # one block each for the store thread's gather and the engine thread's loads: a fresh
+        # tensor per block costs page faults on every transfer
+        self._stored = torch.empty(fmt.shape, dtype=fmt.dtype)
+        self._loaded = torch.empty(fmt.shape, dtype=fmt.dtype)
 
     def _gather(self, block: int) -> torch.Tensor:
-        return torch.stack([p[block] for p in self.pages])
+        return torch.stack([p[block] for p in self.pages], out=self._stored)
 
     def _run(self, job_id: int, fn, *args) -> None:  # noqa: ANN001
         def job() -> None:
@@ -202,7 +206,7 @@ class KVTierWorker(OffloadingWorker):
 
     def _load(self, keys: list[bytes], blocks: list[int]) -> int:
         for key, b in zip(keys, blocks):
-            kv = self.store.read(key)
+            kv = self.store.read(key, self._loaded)
             for layer, p in enumerate(self.pages):
                 p[b].copy_(kv[layer])
         return len(keys) * self.store.fmt.exact_bytes
