@@ -57,6 +57,14 @@ def quantize_kbit(
         valid = valid.expand_as(xf)
     mn = _valid_fill(xf, valid, float("inf")).amin(dim, keepdim=True)
     mx = _valid_fill(xf, valid, float("-inf")).amax(dim, keepdim=True)
+    scale_h, zero_h = fit_scale_zero(mn, mx, bits)
+    q = torch.round(xf / scale_h.float() + zero_h.float()).clamp_(0, (1 << bits) - 1)
+    return q.to(torch.uint8), scale_h, zero_h
+
+
+def fit_scale_zero(mn: torch.Tensor, mx: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 ``(scale, zero)`` of a ``bits``-bit grid over groups with minima ``mn`` and maxima ``mx``
+    (fp32; ``inf`` / ``-inf`` for a group without valid entries): :func:`quantize_kbit`'s fit."""
     empty = mn > mx  # a group without valid entries
     mn = torch.where(empty, torch.zeros_like(mn), mn)
     mx = torch.where(empty, torch.zeros_like(mx), mx)
@@ -66,8 +74,7 @@ def quantize_kbit(
     # Round the scale up into fp16 so the stored grid still spans [mn, mx].
     scale_h = (scale * (1 + 2.0**-10)).to(torch.float16)
     zero_h = (-mn / scale_h.float()).to(torch.float16)
-    q = torch.round(xf / scale_h.float() + zero_h.float()).clamp_(0, qmax)
-    return q.to(torch.uint8), scale_h, zero_h
+    return scale_h, zero_h
 
 
 def dequantize_kbit(

@@ -27,7 +27,7 @@ import torch
 from ..cache.codecs import KBitCodec
 from ..errors import KVTierError
 from ..quant import pack_bits, planes, rotation, unpack_bits
-from ..quant.groups import SCALE_EPS, ZERO_MAX
+from ..quant.groups import fit_scale_zero
 
 MAGIC = b"KVTB"
 VERSION = 1
@@ -159,17 +159,8 @@ def _unpack(packed: torch.Tensor, bits: int, n: int, buffer=_empty) -> torch.Ten
 
 
 def _fit(mn: torch.Tensor, mx: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp16 ``(scale, zero)`` of ``kvtier.quant.quantize_kbit`` from the group minima and maxima
-    (``inf`` / ``-inf`` for a group without valid entries): the same formulas, the same values."""
-    empty = mn > mx
-    mn = torch.where(empty, torch.zeros_like(mn), mn)
-    mx = torch.where(empty, torch.zeros_like(mx), mx)
-    qmax = (1 << bits) - 1
-    amax = torch.maximum(mn.abs(), mx.abs())
-    scale = torch.maximum((mx - mn) / qmax, amax / ZERO_MAX).clamp_min(SCALE_EPS)
-    scale_h = (scale * (1 + 2.0**-10)).to(torch.float16)
-    zero_h = (-mn / scale_h.float()).to(torch.float16)
-    return scale_h, zero_h
+    """fp16 ``(scale, zero)`` of ``kvtier.quant.quantize_kbit`` from the group minima and maxima."""
+    return fit_scale_zero(mn, mx, bits)
 
 
 class BlockCodec:
