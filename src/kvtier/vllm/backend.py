@@ -1,0 +1,230 @@
+"""kvtier's attention backend for vLLM's CPU platform: packed pages in vLLM's own block pool.
+
+vLLM's CPU platform always picks ``CPU_ATTN`` for a non-MLA model, so kvtier's backend is
+registered *over* ``CPU_ATTN`` (:func:`kvtier.vllm.engine.attention_backend`, only while an engine
+is built). The backend class is made per :class:`~kvtier.vllm.pages.PagePolicy`
+(:func:`backend_class`) and named after it, so vLLM's registry, which holds class paths, resolves
+the same policy in any process (module ``__getattr__`` rebuilds it from the name).
+
+- ``exact`` (``bits=None``): vLLM's own pages, metadata builder and CPU kernels, unchanged.
+- packed: ``customize_spec`` gives vLLM the packed page bytes (``state_content_bytes``: bytes per
+  head and token), so ``VLLM_CPU_KVCACHE_SPACE`` holds ``exact / packed`` times the blocks; the
+  builder plans each step once (:func:`kvtier.vllm.paged.plan_step`) and the impl attends and
+  packs each layer (:func:`~kvtier.vllm.paged.attend_layer`, :func:`~kvtier.vllm.paged.update_layer`).
+
+This is the one module of kvtier that subclasses vLLM's attention classes; it imports vLLM at
+module level and is imported only by vLLM's registry (or a test in vLLM's venv).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from .pages import PageFormat, PagePolicy, get_page_policy
+from .paged import SideBuffer, StepPlan, attend_layer, plan_step, update_layer
+
+#: key of vLLM's ``additional_config`` naming the engine's kvtier backend
+CONFIG_KEY = "kvtier_attention"
+_PREFIX = "KVTierAttention_"
+
+
+def policy_name(policy: PagePolicy) -> str:
+    """The class name of ``policy``'s backend (every field in it, so any process can rebuild it)."""
+    p = policy
+    bits = 0 if p.bits is None else p.bits
+    return f"{_PREFIX}b{bits}_t{p.block_size}_s{p.sink_tokens}_k{p.key_group or 0}_v{p.value_group}_n{p.side_slots or 0}"
+
+
+def _parse(name: str) -> PagePolicy:
+    fields = dict((part[0], int(part[1:])) for part in name[len(_PREFIX) :].split("_"))
+    return PagePolicy(
+        bits=fields["b"] or None,
+        block_size=fields["t"],
+        sink_tokens=fields["s"],
+        key_group=fields["k"] or None,
+        value_group=fields["v"],
+        side_slots=fields["n"] or None,
+    )
+
+
+@dataclass
+class KVTierMetadata:
+    """One step's metadata: the plan every layer runs and the engine's side buffer."""
+
+    plan: StepPlan
+    side: SideBuffer
+    num_actual_tokens: int
+
+
+class _PagedBuilder(AttentionMetadataBuilder[KVTierMetadata]):
+    policy: ClassVar[PagePolicy]
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config, device) -> None:  # noqa: ANN001
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        asked = (vllm_config.additional_config or {}).get(CONFIG_KEY)
+        if asked != policy_name(self.policy):
+            raise ValueError(
+                f"kvtier's attention backend is registered for {policy_name(self.policy)} but this engine asked "
+                f"for {asked!r}: build it with kvtier.vllm.engine_kwargs(...) of the same policy"
+            )
+        if kv_cache_spec.block_size != self.policy.block_size:
+            raise ValueError(
+                f"vLLM block_size={kv_cache_spec.block_size} but the kvtier policy packs {self.policy.block_size}-token "
+                "pages: pass block_size from kvtier.vllm.engine_kwargs"
+            )
+        slots = self.policy.side_slots or vllm_config.scheduler_config.max_num_seqs
+        self.side = SideBuffer(
+            slots, kv_cache_spec.block_size, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, kv_cache_spec.dtype
+        )
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> KVTierMetadata:
+        m = common_attn_metadata
+        n = m.num_reqs
+        plan = plan_step(
+            self.side,
+            m.query_start_loc_cpu[: n + 1].tolist(),
+            m.seq_lens[:n].tolist(),
+            m.block_table_tensor[:n],
+            m.num_actual_tokens,
+        )
+        return KVTierMetadata(plan, self.side, m.num_actual_tokens)
+
+
+class _PagedImpl(AttentionImpl):
+    policy: ClassVar[PagePolicy]
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        unsupported = {
+            "alibi_slopes": alibi_slopes is not None,
+            "sliding_window": sliding_window is not None,
+            "logits_soft_cap": bool(logits_soft_cap),
+            "attention sinks": sinks is not None,
+            f"attn_type={attn_type}": attn_type != AttentionType.DECODER,
+            "kv_sharing": kv_sharing_target_layer_name is not None,
+            f"kv_cache_dtype={kv_cache_dtype}": kv_cache_dtype != "auto",
+        }
+        bad = [k for k, v in unsupported.items() if v]
+        if bad:
+            raise NotImplementedError(f"kvtier packed pages do not support {', '.join(bad)}: use policy='exact'")
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = None
+        self.attn_type = attn_type
+        self.sinks = None
+        self.fmt: PageFormat | None = None
+
+    def forward(
+        self,
+        layer: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: KVTierMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("kvtier packed pages do not fuse output quantization")
+        if attn_metadata is None:  # warm-up
+            return output
+        n = attn_metadata.num_actual_tokens
+        if self.fmt is None:
+            self.fmt = PageFormat(self.policy, self.num_kv_heads, self.head_size, key.dtype)
+        pages = kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)
+        if pages.shape[1] != self.fmt.page_bytes or not kv_cache.is_contiguous():
+            raise RuntimeError(f"vLLM gave pages {tuple(kv_cache.shape)}: expected {self.fmt.page_bytes} contiguous bytes")
+        side = attn_metadata.side.layer(layer.layer_name)
+        plan = attn_metadata.plan
+        q, k, v = query[:n], key[:n], value[:n]
+        out = attend_layer(self.fmt, plan, pages, side, q, k, v, self.scale)
+        output[:n].view(n, self.num_heads, self.head_size).copy_(out)
+        update_layer(self.fmt, plan, pages, side, k, v)
+        return output
+
+
+class _PagedBackend(CPUAttentionBackend):
+    """Base of the packed-page backends (one subclass per policy, see :func:`backend_class`)."""
+
+    policy: ClassVar[PagePolicy]
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """vLLM's page of this backend: ``state_content_bytes`` = packed bytes per (head, token)."""
+        if spec.state_content_bytes is not None:
+            return spec
+        fmt = PageFormat(cls.policy, spec.num_kv_heads, spec.head_size, spec.dtype)
+        return replace(spec, state_content_bytes=fmt.cell_bytes)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return False
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def backend_class(policy: str | PagePolicy) -> type:
+    """The attention backend class of ``policy`` (made once per policy, named by :func:`policy_name`)."""
+    policy = get_page_policy(policy)
+    name = policy_name(policy)
+    if name not in _CLASSES:
+        if policy.packed:
+            attrs = {"policy": policy, "__module__": __name__}
+            impl = type(name + "_Impl", (_PagedImpl,), dict(attrs))
+            builder = type(name + "_Builder", (_PagedBuilder,), dict(attrs))
+            cls = type(
+                name,
+                (_PagedBackend,),
+                {
+                    **attrs,
+                    "get_impl_cls": staticmethod(lambda: impl),
+                    "get_builder_cls": staticmethod(lambda: builder),
+                },
+            )
+        else:  # vLLM's own backend, under kvtier's name
+            cls = type(name, (CPUAttentionBackend,), {"policy": policy, "__module__": __name__})
+        cls.__qualname__ = name
+        _CLASSES[name] = cls
+    return _CLASSES[name]
+
+
+def __getattr__(name: str):  # noqa: ANN202
+    """Resolve a backend class path (``kvtier.vllm.backend.<policy_name>``) in any process."""
+    if name.startswith(_PREFIX):
+        return backend_class(_parse(name))
+    raise AttributeError(name)

@@ -1,0 +1,77 @@
+"""Opt one vLLM engine into kvtier's packed KV pages: :func:`engine_kwargs` and :func:`attention_backend`.
+
+>>> from vllm import LLM
+>>> from kvtier.vllm import attention_backend, engine_kwargs
+>>> with attention_backend("default"):            # kvtier over CPU_ATTN while this engine is built
+...     llm = LLM(model=path, **engine_kwargs("default"))
+
+Nothing changes in vLLM until :func:`attention_backend` is entered, and everything is restored
+when it exits (vLLM's registry override and its backend-selection cache); engines built outside
+it use vLLM's own backend. The engine must be built in this process (on the CPU platform:
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``), since the registration is per process. Imports vLLM only
+inside functions; :mod:`.pages` otherwise.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
+
+from .pages import PageFormat, PagePolicy, get_page_policy
+
+
+def engine_kwargs(policy: str | PagePolicy = "default", *, max_num_seqs: int | None = None) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM(...)`` that make the engine store and attend its KV through
+    kvtier's backend for ``policy`` (registered by :func:`attention_backend`).
+
+    ``block_size`` is the policy's page; ``max_num_seqs`` (default: the policy's ``side_slots``,
+    else vLLM's default) bounds the requests running at once, each holding one exact partly
+    filled block in the side buffer. The same settings as ``vllm serve`` flags:
+    ``--block-size``, ``--max-num-seqs``, ``--additional-config``.
+    """
+    from .backend import CONFIG_KEY, policy_name
+
+    p = get_page_policy(policy)
+    out: dict[str, Any] = {"additional_config": {CONFIG_KEY: policy_name(p)}, "block_size": p.block_size}
+    if not p.packed:
+        return out
+    seqs = max_num_seqs or p.side_slots
+    if seqs is not None:
+        if p.side_slots is not None and seqs > p.side_slots:
+            raise ValueError(f"max_num_seqs={seqs} is not allowed: the policy's side buffer holds {p.side_slots}")
+        out["max_num_seqs"] = seqs
+    return out
+
+
+@contextmanager
+def attention_backend(policy: str | PagePolicy = "default"):
+    """Register kvtier's backend for ``policy`` over vLLM's ``CPU_ATTN`` for the engines built inside
+    this block; restore vLLM's previous choice on exit. Yields the backend class."""
+    from vllm.v1.attention import selector
+    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum, register_backend
+
+    from .backend import backend_class
+
+    cls = backend_class(policy)
+    member = AttentionBackendEnum.CPU_ATTN
+    previous = _ATTN_OVERRIDES.get(member)
+    register_backend(member, f"{cls.__module__}.{cls.__qualname__}")
+    selector._cached_get_attn_backend.cache_clear()
+    try:
+        yield cls
+    finally:
+        if previous is None:
+            member.clear_override()
+        else:
+            register_backend(member, previous)
+        selector._cached_get_attn_backend.cache_clear()
+
+
+def kv_bytes_per_token(policy: str | PagePolicy, *, layers: int, heads: int, head_dim: int, dtype) -> float:  # noqa: ANN001
+    """Bytes of vLLM's block pool per token under ``policy`` (all layers; vLLM's exact page for ``exact``)."""
+    p = get_page_policy(policy)
+    exact = 2 * heads * head_dim * dtype.itemsize * layers
+    if not p.packed:
+        return float(exact)
+    fmt = PageFormat(p, heads, head_dim, dtype)
+    return fmt.page_bytes * layers / p.block_size

@@ -1,0 +1,229 @@
+"""Packed KV pages for vLLM's block pool: :class:`PagePolicy`, :class:`PageFormat`, encode / decode.
+
+A *page* is one layer's KV of one vLLM block of ``T`` tokens over ``H`` KV heads. vLLM's own CPU
+page holds it exact, ``[H, T, 2 * D]`` in the model dtype (``4 * H * T * D`` bytes in bf16). A
+packed page holds the same block in ``bits``-bit codes in KIVI's layout
+(https://arxiv.org/abs/2402.02750): keys per channel over ``key_group`` tokens, values per token
+over ``value_group`` channels, fp16 scale and zero (``kvtier.quant.quantize_kbit``), and the
+block's first ``sink_tokens`` tokens exact and left out of the key statistics (for a sequence's
+first block those are the attention sinks of StreamingLLM, https://arxiv.org/abs/2309.17453).
+
+The byte layout of a page (all offsets even, so fp16 / bf16 fields are aligned views)::
+
+    kscale, kzero : fp16 [H, T / key_group, D]
+    vscale, vzero : fp16 [H, T, D / value_group]
+    sink          : dtype [H, sink_tokens, 2, D]   (keys, values)
+    kcodes, vcodes: uint8 [H, T, D * bits / 8]     (``kvtier.quant.pack_bits`` along D)
+
+vLLM sizes a page as ``H * T * cell`` bytes (its ``AttentionSpec.state_content_bytes``), so a
+page is padded up to a whole, even ``cell``. This module owns the policy, the layout and the
+codec; pure torch: imports ``kvtier.quant`` only, never vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..quant import pack_bits, quantize_kbit, unpack_bits
+
+#: code widths a packed page may use
+PAGE_BITS = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class PagePolicy:
+    """How a vLLM engine stores and attends its paged KV through kvtier.
+
+    Attributes
+    ----------
+    bits : code width of a full block; ``None`` keeps vLLM's own exact pages and kernels.
+    block_size : tokens per vLLM block (a multiple of 32: vLLM's CPU kernels).
+    sink_tokens : leading tokens of every block kept exact inside the page (a sequence's first
+        block: its attention sinks); they cost ``4 * H * D`` bytes each in bf16.
+    key_group : tokens per key quantization group (divides ``block_size``; ``None``: the block).
+    value_group : channels per value group (divides the head dim; capped at it).
+    side_slots : exact blocks of the side buffer (the partly filled last block of each running
+        request); ``None``: vLLM's ``max_num_seqs``. It grows on demand up to this many.
+    """
+
+    bits: int | None = 4
+    block_size: int = 128
+    sink_tokens: int = 0
+    key_group: int | None = None
+    value_group: int = 64
+    side_slots: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in PAGE_BITS):
+            raise ValueError(f"PagePolicy.bits={self.bits!r} is not allowed: expected None or one of {PAGE_BITS}")
+        b = self.block_size
+        if isinstance(b, bool) or not isinstance(b, int) or b < 32 or b % 32 or b > 4096:
+            raise ValueError(f"PagePolicy.block_size={b!r} is not allowed: expected a multiple of 32 in 32..4096")
+        s = self.sink_tokens
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < b:
+            raise ValueError(f"PagePolicy.sink_tokens={s!r} is not allowed: expected an int in 0..block_size-1")
+        kg = self.key_group
+        if kg is not None and (isinstance(kg, bool) or not isinstance(kg, int) or kg < 1 or b % kg):
+            raise ValueError(f"PagePolicy.key_group={kg!r} is not allowed: expected None or a divisor of {b}")
+        vg = self.value_group
+        if isinstance(vg, bool) or not isinstance(vg, int) or vg < 1 or vg & (vg - 1):
+            raise ValueError(f"PagePolicy.value_group={vg!r} is not allowed: expected a power of two")
+        n = self.side_slots
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"PagePolicy.side_slots={n!r} is not allowed: expected None or an int >= 1")
+
+    @property
+    def packed(self) -> bool:
+        return self.bits is not None
+
+
+#: name -> (policy, one-line description)
+PAGE_POLICIES: dict[str, tuple[PagePolicy, str]] = {
+    "exact": (PagePolicy(bits=None), "vLLM's own exact pages and CPU kernels, through kvtier's backend"),
+    "default": (
+        PagePolicy(),
+        "4-bit pages (keys per channel over the 128-token block, values per token): 3.66x the tokens of bf16",
+    ),
+    "sinks": (
+        PagePolicy(block_size=256, sink_tokens=1),
+        "4-bit 256-token pages whose first token stays exact (the attention sink), same bytes per token",
+    ),
+}
+
+
+def get_page_policy(policy: str | PagePolicy) -> PagePolicy:
+    """A :class:`PagePolicy` from a preset name (see :data:`PAGE_POLICIES`) or the policy itself."""
+    if isinstance(policy, PagePolicy):
+        return policy
+    if not isinstance(policy, str) or policy not in PAGE_POLICIES:
+        raise ValueError(f"unknown kvtier vLLM page policy {policy!r}: expected one of {sorted(PAGE_POLICIES)}")
+    return PAGE_POLICIES[policy][0]
+
+
+@dataclass(frozen=True)
+class PageFormat:
+    """Byte layout of one packed page for ``heads`` KV heads of ``head_dim`` in ``dtype``."""
+
+    policy: PagePolicy
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if not self.policy.packed:
+            raise ValueError("PageFormat needs a packed PagePolicy (bits is None: vLLM's exact pages)")
+        if self.head_dim % self.value_group or (self.head_dim * self.policy.bits) % 8:
+            raise ValueError(f"head_dim={self.head_dim} is not allowed with value_group={self.value_group}")
+        if self.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"dtype={self.dtype} is not allowed: expected float16, bfloat16 or float32")
+
+    @property
+    def tokens(self) -> int:
+        return self.policy.block_size
+
+    @property
+    def key_group(self) -> int:
+        return self.policy.key_group or self.tokens
+
+    @property
+    def value_group(self) -> int:
+        return min(self.policy.value_group, self.head_dim)
+
+    def fields(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """``(name, dtype, shape)`` of each field of a page, in byte order."""
+        H, T, D, s = self.heads, self.tokens, self.head_dim, self.policy.sink_tokens
+        nk, nv, cb = T // self.key_group, D // self.value_group, D * self.policy.bits // 8
+        out = [
+            ("kscale", torch.float16, (H, nk, D)),
+            ("kzero", torch.float16, (H, nk, D)),
+            ("vscale", torch.float16, (H, T, nv)),
+            ("vzero", torch.float16, (H, T, nv)),
+        ]
+        if s:
+            out.append(("sink", self.dtype, (H, s, 2, D)))
+        out += [("kcodes", torch.uint8, (H, T, cb)), ("vcodes", torch.uint8, (H, T, cb))]
+        return out
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(dt.itemsize * _numel(shape) for _, dt, shape in self.fields())
+
+    @property
+    def cell_bytes(self) -> int:
+        """Bytes per (head, token) cell: vLLM's ``state_content_bytes`` (even, for its bf16 view)."""
+        cells = self.heads * self.tokens
+        c = -(-self.used_bytes // cells)
+        return c + (c % 2)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.heads * self.tokens * self.cell_bytes
+
+    @property
+    def exact_page_bytes(self) -> int:
+        """Bytes of vLLM's exact page of the same block."""
+        return 2 * self.heads * self.tokens * self.head_dim * self.dtype.itemsize
+
+    # --- views ------------------------------------------------------------------------------
+    def views(self, pages: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed views of the fields of ``pages: uint8 [N, page_bytes]`` (no copy): ``name -> [N, *shape]``."""
+        if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != self.page_bytes:
+            raise ValueError(f"pages {tuple(pages.shape)} {pages.dtype}: expected uint8 [N, {self.page_bytes}]")
+        out, off, n = {}, 0, pages.shape[0]
+        for name, dt, shape in self.fields():
+            nbytes = dt.itemsize * _numel(shape)
+            out[name] = pages[:, off : off + nbytes].view(dt).view(n, *shape)
+            off += nbytes
+        return out
+
+    # --- codec ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Pack full blocks ``k, v: [N, H, T, D]`` (any float dtype) into pages ``uint8 [N, page_bytes]``
+        (written into ``out`` when given: rows of vLLM's pool)."""
+        N, H, T, D = k.shape
+        if (H, T, D) != (self.heads, self.tokens, self.head_dim) or v.shape != k.shape:
+            raise ValueError(f"blocks {tuple(k.shape)}: expected [N, {self.heads}, {self.tokens}, {self.head_dim}]")
+        bits, s, kg, vg = self.policy.bits, self.policy.sink_tokens, self.key_group, self.value_group
+        if out is None:
+            out = torch.zeros(N, self.page_bytes, dtype=torch.uint8)
+        f = self.views(out)
+        valid = None
+        if s:
+            valid = (torch.arange(T) >= s).view(1, 1, T // kg, kg, 1)
+            f["sink"].copy_(torch.stack((k[:, :, :s], v[:, :, :s]), dim=3))
+        kc, ks, kz = quantize_kbit(k.reshape(N, H, T // kg, kg, D), bits, dim=-2, valid=valid)
+        f["kscale"].copy_(ks.view(N, H, T // kg, D))
+        f["kzero"].copy_(kz.view(N, H, T // kg, D))
+        vc, vs, vz = quantize_kbit(v.reshape(N, H, T, D // vg, vg), bits, dim=-1)
+        f["vscale"].copy_(vs.view(N, H, T, D // vg))
+        f["vzero"].copy_(vz.view(N, H, T, D // vg))
+        f["kcodes"].copy_(pack_bits(kc.view(N, H, T, D), bits))
+        f["vcodes"].copy_(pack_bits(vc.view(N, H, T, D), bits))
+        return out
+
+    @torch.no_grad()
+    def decode(self, pages: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense ``k, v: [N, H, T, D]`` in ``dtype`` of ``pages: uint8 [N, page_bytes]``."""
+        f = self.views(pages)
+        N = pages.shape[0]
+        H, T, D, bits = self.heads, self.tokens, self.head_dim, self.policy.bits
+        kg, vg, s = self.key_group, self.value_group, self.policy.sink_tokens
+        kc = unpack_bits(f["kcodes"], bits, D).view(N, H, T // kg, kg, D).float()
+        k = (kc - f["kzero"].float().unsqueeze(3)) * f["kscale"].float().unsqueeze(3)
+        vc = unpack_bits(f["vcodes"], bits, D).view(N, H, T, D // vg, vg).float()
+        v = (vc - f["vzero"].float().unsqueeze(-1)) * f["vscale"].float().unsqueeze(-1)
+        k, v = k.view(N, H, T, D).to(dtype), v.view(N, H, T, D).to(dtype)
+        if s:
+            sink = f["sink"].to(dtype)
+            k[:, :, :s], v[:, :, :s] = sink[:, :, :, 0], sink[:, :, :, 1]
+        return k, v
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
