@@ -1,0 +1,208 @@
+"""vLLM's paged KV cache: its own bf16 / fp8 pages vs kvtier's packed pages (``kvtier.vllm.engine``).
+
+One in-process engine per configuration (SmolLM2-135M bf16 on CPU, ``VLLM_CPU_KVCACHE_SPACE``
+GiB of KV), built one after another in this process:
+
+- ``vllm``: vLLM's own backend, bf16 pages; ``fp8``: ``kv_cache_dtype="fp8"``;
+- ``exact``, ``default``, ``sinks``, ...: kvtier's backend with that page policy
+  (:data:`kvtier.vllm.pages.PAGE_POLICIES`), registered while the engine is built.
+
+Parts (``--parts``):
+
+- ``capacity``: vLLM's "KV cache size: N tokens" (``num_gpu_blocks * block_size``) and KV bytes
+  per token (all layers);
+- ``quality``: teacher-forced NLL of each book's next 64 tokens after a 3k prefix, and
+  ``prompt_logprobs`` perplexity of 4k windows (all positions and the last half), both with
+  chunked prefill of ``--chunk`` tokens so later chunks attend the pages of earlier ones;
+- ``speed``: one request of a 2k prompt + 64 new tokens, wall time (median of ``--reps``);
+- ``load``: ``--requests`` requests of a 2k prompt + 128 new tokens submitted at once: wall time,
+  total (prompt + new) tokens/s, the most requests running at once, preemptions.
+
+Prints ratios to ``vllm``; ends with one JSON line. Time alone on the machine:
+``flock /tmp/kvtier-bench.lock python benchmarks/vllm_serve.py --parts speed,load``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+for _k, _v in {
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # kvtier's registration is per process
+}.items():
+    os.environ.setdefault(_k, _v)
+
+BOOKS = ("dracula", "moby_dick")
+
+
+def book_ids(tok, count: int, length: int) -> list[list[int]]:  # noqa: ANN001
+    """``length`` tokens from each of the first ``count`` books in ../shared/data/pg (else the shipped one)."""
+    pg = Path(__file__).resolve().parents[2] / "shared" / "data" / "pg"
+    texts = [(pg / f"{b}.txt").read_text(encoding="utf-8")[20_000:120_000] for b in BOOKS if (pg / f"{b}.txt").exists()]
+    if not texts:
+        from kvtier.eval.texts import shipped_book
+
+        (body,) = shipped_book().values()
+        texts = [body[i * 100_000 : (i + 1) * 100_000] for i in range(count)]
+    return [tok(t)["input_ids"][:length] for t in texts[:count]]
+
+
+def build(name: str, model: str, **kw):  # noqa: ANN003, ANN201
+    """An engine of configuration ``name`` and its KV bytes per token."""
+    from vllm import LLM
+
+    from kvtier.vllm.engine import attention_backend, engine_kwargs
+
+    seqs = kw.pop("max_num_seqs", None)
+    base = dict(model=model, dtype="bfloat16", max_model_len=4608, enforce_eager=True, seed=0, **kw)
+    if name in ("vllm", "fp8"):
+        extra = {"kv_cache_dtype": "fp8"} if name == "fp8" else {}
+        return LLM(**base, **extra, **({"max_num_seqs": seqs} if seqs else {}))
+    with attention_backend(name):
+        kwargs = engine_kwargs(name, max_num_seqs=seqs)
+        kwargs.setdefault("max_num_seqs", seqs) if seqs else None
+        return LLM(**base, **kwargs)
+
+
+def close(llm) -> None:  # noqa: ANN001
+    engine = getattr(llm, "llm_engine", None)
+    if engine is not None and hasattr(engine, "engine_core"):
+        engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def capacity(llm) -> dict:  # noqa: ANN001
+    cfg = llm.llm_engine.vllm_config
+    blocks, bs = cfg.cache_config.num_gpu_blocks, cfg.cache_config.block_size
+    space = float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * (1 << 30)
+    tokens = blocks * bs
+    return {"kv_tokens": tokens, "block_size": bs, "kv_bytes_per_token": space / tokens}
+
+
+def prompt_nll(llm, ids: list[int]) -> list[float]:  # noqa: ANN001
+    """NLL of each token of ``ids`` after the first, from vLLM's ``prompt_logprobs``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)
+    return [-out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
+
+
+def quality(llm, tok, args) -> dict:  # noqa: ANN001
+    out = {}
+    for i, ids in enumerate(book_ids(tok, 2, max(args.prefix + 64, args.ppl_len))):
+        nll = prompt_nll(llm, ids[: args.prefix + 64])
+        out[f"nll64_{BOOKS[i]}"] = statistics.fmean(nll[-64:])
+        nll = prompt_nll(llm, ids[: args.ppl_len])
+        out[f"ppl_{BOOKS[i]}"] = math.exp(statistics.fmean(nll))
+        out[f"ppl_last_half_{BOOKS[i]}"] = math.exp(statistics.fmean(nll[len(nll) // 2 :]))
+    return out
+
+
+def speed(llm, tok, args) -> dict:  # noqa: ANN001
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    (ids,) = book_ids(tok, 1, args.prompt)
+    sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, detokenize=False)
+    times = []
+    for r in range(args.reps + 1):
+        prompt = [(r * 7919 + 13) % 30000, *ids[1:]]  # a different first token: no prefix-cache hit
+        t = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)
+        times.append(time.perf_counter() - t)
+    return {"single_s": statistics.median(times[1:])}
+
+
+def load(llm, tok, args) -> dict:  # noqa: ANN001
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    (ids,) = book_ids(tok, 1, args.prompt)
+    prompts = [[(r * 7919 + 13) % 30000, *ids[1:]] for r in range(args.requests)]
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    seen = {"running": 0, "steps": 0}
+    orig = sched.schedule
+
+    def schedule(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        out = orig(*a, **k)
+        seen["running"] = max(seen["running"], len(sched.running))
+        seen["steps"] += 1
+        return out
+
+    sched.schedule = schedule
+    sp = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True, detokenize=False)
+    t = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    wall = time.perf_counter() - t
+    sched.schedule = orig
+    new = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "load_s": wall,
+        "load_total_tok_s": (new + sum(map(len, prompts))) / wall,
+        "load_new_tok_s": new / wall,
+        "max_running": seen["running"],
+        "steps": seen["steps"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="vllm,fp8,exact,default")
+    ap.add_argument("--parts", default="capacity,quality")
+    ap.add_argument("--chunk", type=int, default=256, help="max_num_batched_tokens for the quality part")
+    ap.add_argument("--prefix", type=int, default=3072)
+    ap.add_argument("--ppl-len", type=int, default=4096)
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from kvtier.models import model_dir
+
+    model = str(model_dir())
+    tok = AutoTokenizer.from_pretrained(model)
+    parts = args.parts.split(",")
+    results: dict[str, dict] = {}
+    for name in args.configs.split(","):
+        res: dict = {}
+        if "quality" in parts:
+            llm = build(name, model, max_num_batched_tokens=args.chunk, enable_prefix_caching=False)
+            res.update(capacity(llm), **quality(llm, tok, args))
+            close(llm)
+        if {"capacity", "speed", "load"} & set(parts):
+            llm = build(name, model, max_num_seqs=args.max_num_seqs)
+            res.update(capacity(llm))
+            if "speed" in parts:
+                res.update(speed(llm, tok, args))
+            if "load" in parts:
+                res.update(load(llm, tok, args))
+            close(llm)
+        results[name] = res
+        print(name, json.dumps(res), flush=True)
+    base = results.get("vllm", {})
+    for name, res in results.items():
+        ratios = {k: res[k] / base[k] for k in res if k in base and isinstance(res[k], float | int) and base[k]}
+        print(f"{name:>8} / vllm:", " ".join(f"{k}={v:.4g}" for k, v in ratios.items()))
+        if "nll64_dracula" in res and "nll64_dracula" in base:
+            print(f"{name:>8} - vllm nll64:", {b: res[f"nll64_{b}"] - base[f"nll64_{b}"] for b in BOOKS})
+    print(json.dumps({"bench": "vllm_serve", "args": vars(args), "load": os.getloadavg(), "results": results}))
+
+
+if __name__ == "__main__":
+    main()

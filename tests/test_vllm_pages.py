@@ -1,0 +1,199 @@
+"""kvtier's packed vLLM pages without vLLM: page codec, side buffer bookkeeping, and the torch
+attention of a whole step against a float64 reference over the same (decoded) keys and values.
+
+A fake engine hands out block ids and schedules steps the way vLLM's scheduler does (chunked
+prefill, decode, several requests per step, prefix-cache hits of full blocks, the recomputed last
+token of a fully cached prompt); the reference keeps every request's exact K/V and reads the
+blocks that were full before a step through ``decode(encode(block))``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvtier.vllm.pages import PAGE_POLICIES, PageFormat, PagePolicy, get_page_policy
+from kvtier.vllm.paged import SideBuffer, SideSlotLost, attend_layer, plan_step, update_layer
+
+H, HQ, D = 3, 9, 64
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"bits": 3},
+        {"block_size": 100},
+        {"block_size": 16},
+        {"sink_tokens": 128},
+        {"sink_tokens": -1},
+        {"key_group": 48},
+        {"value_group": 24},
+        {"side_slots": 0},
+        {"bits": True},
+    ],
+)
+def test_policy_rejects(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match="PagePolicy"):
+        PagePolicy(**kwargs)
+
+
+def test_presets_and_page_bytes() -> None:
+    assert get_page_policy("default") is PAGE_POLICIES["default"][0]
+    with pytest.raises(ValueError, match="unknown"):
+        get_page_policy("nope")
+    fmt = PageFormat(get_page_policy("default"), H, D, torch.bfloat16)
+    # codes 2 x 32 B, value scale+zero 4 B, key scale+zero 4 * 64 B over 128 tokens: 70 B per cell
+    assert (fmt.cell_bytes, fmt.page_bytes, fmt.exact_page_bytes) == (70, 26880, 98304)
+    sinks = PageFormat(get_page_policy("sinks"), H, D, torch.bfloat16)
+    assert sinks.cell_bytes == 70 and sinks.used_bytes == sinks.page_bytes  # the sink fills the spare byte
+
+
+@pytest.mark.parametrize("policy", [PagePolicy(), PagePolicy(bits=2, key_group=32), PagePolicy(block_size=64, sink_tokens=3)])
+def test_round_trip_bound(policy: PagePolicy) -> None:
+    torch.manual_seed(0)
+    fmt = PageFormat(policy, H, D, torch.bfloat16)
+    T, s = policy.block_size, policy.sink_tokens
+    k = (torch.randn(4, H, T, D) * torch.linspace(0.1, 8, D)).bfloat16()
+    k[:, :, 0] *= 50  # a sink-like outlier token
+    v = torch.randn(4, H, T, D).bfloat16()
+    v[1] = 0.5  # constant groups
+    pages = fmt.encode(k, v)
+    kd, vd = fmt.decode(pages)
+    f = fmt.views(pages)
+    kscale = f["kscale"].float().repeat_interleave(fmt.key_group, dim=2)  # [N, H, T, D]
+    vscale = f["vscale"].float().repeat_interleave(fmt.value_group, dim=-1)
+    kerr, verr = (kd - k.float()).abs(), (vd - v.float()).abs()
+    assert (kerr[:, :, s:] <= 0.5 * kscale[:, :, s:] * (1 + 2**-8) + 1e-6).all()
+    assert (verr <= 0.5 * vscale * (1 + 2**-8) + 1e-6).all()
+    assert torch.isfinite(vd[1]).all() and (vd[1] - 0.5).abs().max() < 1e-2  # constant groups: no NaN
+    if s:
+        assert torch.equal(kd[:, :, :s], k[:, :, :s].float()) and torch.equal(vd[:, :, :s], v[:, :, :s].float())
+
+
+class FakeEngine:
+    """Block ids, side buffer, pages and the reference K/V of each request."""
+
+    def __init__(self, policy: PagePolicy, slots: int = 8, blocks: int = 64):
+        self.fmt = PageFormat(policy, H, D, torch.bfloat16)
+        self.T = policy.block_size
+        self.side = SideBuffer(slots, self.T, H, D, torch.bfloat16)
+        self.pages = torch.zeros(blocks, self.fmt.page_bytes, dtype=torch.uint8)
+        self.next_block = 1
+        self.table: dict[str, list[int]] = {}
+        self.k: dict[str, torch.Tensor] = {}
+        self.v: dict[str, torch.Tensor] = {}
+        self.done: dict[str, int] = {}
+
+    def add(self, name: str, length: int, share: tuple[str, int] | None = None) -> None:
+        self.k[name] = torch.randn(length, H, D).bfloat16()
+        self.v[name] = torch.randn(length, H, D).bfloat16()
+        self.table[name], self.done[name] = [], 0
+        if share:  # a prefix-cache hit: the other request's first full blocks, same tokens
+            other, nblocks = share
+            n = nblocks * self.T
+            self.k[name][:n], self.v[name][:n] = self.k[other][:n], self.v[other][:n]
+            self.table[name] = self.table[other][:nblocks]
+            self.done[name] = n
+
+    def step(self, sched: dict[str, int], rewind: dict[str, int] | None = None) -> None:
+        """Run one step: ``sched`` maps request -> new tokens; ``rewind`` sets a request's computed tokens back."""
+        for name, n in (rewind or {}).items():
+            self.done[name] = n
+        names = list(sched)
+        qsl, lens, rows = [0], [], []
+        for name in names:
+            c, q = self.done[name], sched[name]
+            while len(self.table[name]) * self.T < c + q:
+                self.table[name].append(self.next_block)
+                self.next_block += 1
+            qsl.append(qsl[-1] + q)
+            lens.append(c + q)
+        width = max(len(self.table[n]) for n in names)
+        bt = torch.tensor([self.table[n] + [0] * (width - len(self.table[n])) for n in names])
+        q_all = torch.randn(qsl[-1], HQ, D).bfloat16()
+        k_new = torch.cat([self.k[n][self.done[n] : self.done[n] + sched[n]] for n in names])
+        v_new = torch.cat([self.v[n][self.done[n] : self.done[n] + sched[n]] for n in names])
+        packed_before = set(self.side.packed)
+        plan = plan_step(self.side, qsl, lens, bt, qsl[-1])
+        side = self.side.layer("layer0")
+        out = attend_layer(self.fmt, plan, self.pages, side, q_all, k_new, v_new, D**-0.5)
+        for i, name in enumerate(names):
+            c, q = self.done[name], sched[name]
+            ref = self.reference(name, q_all[qsl[i] : qsl[i + 1]], c, q, packed_before)
+            err = (out[qsl[i] : qsl[i + 1]].double() - ref).abs().max().item()
+            assert err < 2e-5, (name, c, q, err)
+        update_layer(self.fmt, plan, self.pages, side, k_new, v_new)
+        for name in names:
+            self.done[name] += sched[name]
+            full = self.done[name] // self.T
+            for j in range(full):  # every full block is packed, with the request's own tokens
+                kd, vd = self.fmt.decode(self.pages[self.table[name][j] : self.table[name][j] + 1])
+                ke, ve = self.quantized(name, j)
+                assert torch.equal(kd[0], ke) and torch.equal(vd[0], ve)
+
+    def quantized(self, name: str, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sl = slice(j * self.T, (j + 1) * self.T)
+        k, v = self.fmt.decode(
+            self.fmt.encode(self.k[name][sl].transpose(0, 1)[None], self.v[name][sl].transpose(0, 1)[None])
+        )
+        return k[0], v[0]
+
+    def reference(self, name: str, q: torch.Tensor, c: int, n: int, packed: set[int]) -> torch.Tensor:
+        """float64 attention of ``q [n, HQ, D]`` (positions ``c..c+n-1``): blocks full before the step decoded."""
+        L, full = c + n, c // self.T
+        k, v = self.k[name][:L].double().transpose(0, 1).clone(), self.v[name][:L].double().transpose(0, 1).clone()
+        for j in range(full):
+            kq, vq = self.quantized(name, j)
+            k[:, j * self.T : (j + 1) * self.T], v[:, j * self.T : (j + 1) * self.T] = kq.double(), vq.double()
+        if c % self.T and full < len(self.table[name]) and self.table[name][full] in packed:
+            kq, vq = self.quantized(name, full)  # a cached full block read in part
+            k[:, full * self.T : c], v[:, full * self.T : c] = kq[:, : c % self.T].double(), vq[:, : c % self.T].double()
+        mask = torch.ones(n, L, dtype=torch.bool).tril(L - n)
+        o = F.scaled_dot_product_attention(
+            q.double().transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=D**-0.5, enable_gqa=True
+        )
+        return o[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("policy", [PagePolicy(block_size=32), PagePolicy(block_size=64, sink_tokens=2, key_group=32)])
+def test_steps_against_reference(policy: PagePolicy) -> None:
+    torch.manual_seed(1)
+    eng = FakeEngine(policy)
+    T = policy.block_size
+    eng.add("a", 5 * T + 7)
+    eng.add("b", 3 * T + 1)
+    eng.step({"a": T + 5, "b": 3})  # chunked prefill off block boundaries, two requests
+    eng.step({"a": 1, "b": T - 3})  # decode; b fills its first block exactly
+    eng.step({"a": 2 * T, "b": 1})  # a crosses two boundaries in one chunk
+    eng.add("c", 4 * T, share=("a", 2))  # prefix-cache hit of a's two full blocks
+    eng.step({"a": 1, "b": 1, "c": T - 1})
+    for _ in range(3):
+        eng.step({"a": 1, "b": 1, "c": 1})
+    eng.step({"b": T - 5})
+    assert eng.side.slot_of and all(b not in eng.side.packed for b in eng.side.slot_of)
+
+
+def test_recomputed_last_token_of_cached_block() -> None:
+    """A prompt that is all cached blocks: vLLM recomputes its last token into a packed block."""
+    torch.manual_seed(2)
+    eng = FakeEngine(PagePolicy(block_size=32))
+    eng.add("a", 64 + 8)
+    eng.step({"a": 64})
+    eng.add("b", 64 + 8, share=("a", 2))
+    eng.step({"b": 1}, rewind={"b": 63})
+    eng.step({"b": 1})
+
+
+def test_side_slots_exhausted_raises() -> None:
+    eng = FakeEngine(PagePolicy(block_size=32), slots=1)
+    eng.add("a", 40)
+    eng.add("b", 40)
+    with pytest.raises(SideSlotLost, match="side slots"):
+        eng.step({"a": 3, "b": 3})
+
+
+def test_lost_slot_raises() -> None:
+    side = SideBuffer(8, 32, H, D, torch.bfloat16)
+    with pytest.raises(SideSlotLost, match="not kept"):
+        plan_step(side, [0, 1], [6], torch.tensor([[4]]), 1)  # block 4 was never written
