@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.vllm.pages import PAGE_POLICIES, PageFormat, PagePolicy, get_page_policy
-from kvtier.vllm.paged import SideBuffer, SideSlotLost, attend_layer, plan_step, update_layer
+from kvtier.kernels import vllm_paged_cpu
+from kvtier.vllm.paged import SideBuffer, SideSlotLost, attend_layer, attend_layer_fused, plan_step, update_layer
 
 H, HQ, D = 3, 9, 64
 
@@ -74,7 +75,8 @@ def test_round_trip_bound(policy: PagePolicy) -> None:
 class FakeEngine:
     """Block ids, side buffer, pages and the reference K/V of each request."""
 
-    def __init__(self, policy: PagePolicy, slots: int = 8, blocks: int = 64):
+    def __init__(self, policy: PagePolicy, slots: int = 8, blocks: int = 64, attend=attend_layer):  # noqa: ANN001
+        self.attend = attend
         self.fmt = PageFormat(policy, H, D, torch.bfloat16)
         self.T = policy.block_size
         self.side = SideBuffer(slots, self.T, H, D, torch.bfloat16)
@@ -117,7 +119,7 @@ class FakeEngine:
         packed_before = set(self.side.packed)
         plan = plan_step(self.side, qsl, lens, bt, qsl[-1])
         side = self.side.layer("layer0")
-        out = attend_layer(self.fmt, plan, self.pages, side, q_all, k_new, v_new, D**-0.5)
+        out = self.attend(self.fmt, plan, self.pages, side, q_all, k_new, v_new, D**-0.5)
         for i, name in enumerate(names):
             c, q = self.done[name], sched[name]
             ref = self.reference(name, q_all[qsl[i] : qsl[i + 1]], c, q, packed_before)
@@ -156,10 +158,14 @@ class FakeEngine:
         return o[0].transpose(0, 1)
 
 
+ATTEND = [attend_layer, pytest.param(attend_layer_fused, marks=pytest.mark.skipif(not vllm_paged_cpu.available(), reason="no C++ build"))]
+
+
+@pytest.mark.parametrize("attend", ATTEND)
 @pytest.mark.parametrize("policy", [PagePolicy(block_size=32), PagePolicy(block_size=64, sink_tokens=2, key_group=32)])
-def test_steps_against_reference(policy: PagePolicy) -> None:
+def test_steps_against_reference(policy: PagePolicy, attend) -> None:  # noqa: ANN001
     torch.manual_seed(1)
-    eng = FakeEngine(policy)
+    eng = FakeEngine(policy, attend=attend)
     T = policy.block_size
     eng.add("a", 5 * T + 7)
     eng.add("b", 3 * T + 1)
@@ -174,10 +180,11 @@ def test_steps_against_reference(policy: PagePolicy) -> None:
     assert eng.side.slot_of and all(b not in eng.side.packed for b in eng.side.slot_of)
 
 
-def test_recomputed_last_token_of_cached_block() -> None:
+@pytest.mark.parametrize("attend", ATTEND)
+def test_recomputed_last_token_of_cached_block(attend) -> None:  # noqa: ANN001
     """A prompt that is all cached blocks: vLLM recomputes its last token into a packed block."""
     torch.manual_seed(2)
-    eng = FakeEngine(PagePolicy(block_size=32))
+    eng = FakeEngine(PagePolicy(block_size=32), attend=attend)
     eng.add("a", 64 + 8)
     eng.step({"a": 64})
     eng.add("b", 64 + 8, share=("a", 2))

@@ -27,7 +27,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from .pages import PageFormat, PagePolicy, get_page_policy
-from .paged import SideBuffer, StepPlan, attend_layer, plan_step, update_layer
+from .paged import SideBuffer, StepPlan, attend_layer, attend_layer_fused, plan_step, update_layer
 
 #: key of vLLM's ``additional_config`` naming the engine's kvtier backend
 CONFIG_KEY = "kvtier_attention"
@@ -153,14 +153,18 @@ class _PagedImpl(AttentionImpl):
             return output
         n = attn_metadata.num_actual_tokens
         if self.fmt is None:
+            from ..kernels import vllm_paged_cpu
+
             self.fmt = PageFormat(self.policy, self.num_kv_heads, self.head_size, key.dtype)
+            fused = self.policy.bits == 4 and (not self.policy.sink_tokens or key.dtype == torch.bfloat16)
+            self.attend = attend_layer_fused if fused and vllm_paged_cpu.available() else attend_layer
         pages = kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)
         if pages.shape[1] != self.fmt.page_bytes or not kv_cache.is_contiguous():
             raise RuntimeError(f"vLLM gave pages {tuple(kv_cache.shape)}: expected {self.fmt.page_bytes} contiguous bytes")
         side = attn_metadata.side.layer(layer.layer_name)
         plan = attn_metadata.plan
         q, k, v = query[:n], key[:n], value[:n]
-        out = attend_layer(self.fmt, plan, pages, side, q, k, v, self.scale)
+        out = self.attend(self.fmt, plan, pages, side, q, k, v, self.scale)
         output[:n].view(n, self.num_heads, self.head_size).copy_(out)
         update_layer(self.fmt, plan, pages, side, k, v)
         return output

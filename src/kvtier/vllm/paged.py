@@ -128,6 +128,8 @@ class StepPlan:
     #: side rows written after attention (slot * T + offset) and the batch token of each
     write_rows: torch.Tensor | None = None
     write_tokens: torch.Tensor | None = None
+    #: the fused kernel's index tensors (:func:`kernel_index`), built once per step
+    index: dict[str, torch.Tensor] | None = None
 
 
 def plan_step(
@@ -251,6 +253,74 @@ def attend_layer(
         )
         out[req.qs : req.qe] = o[0].transpose(0, 1)
     return out
+
+
+def kernel_index(plan: StepPlan, tokens: int) -> dict[str, torch.Tensor]:
+    """Index tensors of the fused kernel for ``plan`` (cached on it): per request its new tokens
+    (``qstart``), packed blocks (``pstart``, ``pids``) and exact rows (``estart``: side rows, then
+    the rows of a partly read cached block, then the new tokens); where each exact row comes from."""
+    if plan.index is None:
+        qstart, pstart, estart, pids = [0], [0], [0], []
+        side_src, side_dst, new_dst, heads = [], [], [], []
+        for req in plan.requests:
+            pids.extend(req.packed)
+            pstart.append(len(pids))
+            e = estart[-1]
+            if req.side_rows:
+                side_src.extend(range(req.side_slot * tokens, req.side_slot * tokens + req.side_rows))
+                side_dst.extend(range(e, e + req.side_rows))
+                e += req.side_rows
+            if req.head_rows:
+                heads.append((e, req.head_block, req.head_rows))
+                e += req.head_rows
+            new_dst.extend(range(e, e + req.qe - req.qs))
+            estart.append(e + req.qe - req.qs)
+            qstart.append(req.qe)
+        t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+        plan.index = {
+            "qstart": t(qstart),
+            "pstart": t(pstart),
+            "pids": t(pids),
+            "estart": t(estart),
+            "side_src": t(side_src),
+            "side_dst": t(side_dst),
+            "new_dst": t(new_dst),
+            "heads": heads,
+        }
+    return plan.index
+
+
+@torch.no_grad()
+def attend_layer_fused(
+    fmt: PageFormat,
+    plan: StepPlan,
+    pages: torch.Tensor,
+    side: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`attend_layer` through the fused CPU kernel (same arguments, same result to fp32 rounding)."""
+    from ..kernels import vllm_paged_cpu
+
+    idx = kernel_index(plan, fmt.tokens)
+    N, Hq, D = query.shape
+    H = key.shape[1]
+    E = int(idx["estart"][-1])
+    ek = torch.empty(E, H, D, dtype=torch.float32)
+    ev = torch.empty(E, H, D, dtype=torch.float32)
+    if idx["side_src"].numel():
+        rows = side.view(-1, 2, H, D)[idx["side_src"]]
+        ek[idx["side_dst"]], ev[idx["side_dst"]] = rows[:, 0].float(), rows[:, 1].float()
+    ek[idx["new_dst"]], ev[idx["new_dst"]] = key.float(), value.float()
+    for e, block, n in idx["heads"]:
+        k, v = fmt.decode(pages[block : block + 1])
+        ek[e : e + n], ev[e : e + n] = k[0, :, :n].transpose(0, 1), v[0, :, :n].transpose(0, 1)
+    q = (query.float() * scale).contiguous()
+    return vllm_paged_cpu.paged_attention(
+        q, pages, idx["qstart"], idx["pstart"], idx["pids"], ek, ev, idx["estart"], fmt.layout()
+    )
 
 
 @torch.no_grad()

@@ -166,6 +166,21 @@ class PageFormat:
         """Bytes of vLLM's exact page of the same block."""
         return 2 * self.heads * self.tokens * self.head_dim * self.dtype.itemsize
 
+    def offsets(self) -> dict[str, int]:
+        """Byte offset of each field in a page."""
+        out, off = {}, 0
+        for name, dt, shape in self.fields():
+            out[name] = off
+            off += dt.itemsize * _numel(shape)
+        return out
+
+    def layout(self) -> list[int]:
+        """The ints the C++ kernel reads a page with (``kvtier.kernels.vllm_paged_cpu``)."""
+        o = self.offsets()
+        fixed = [self.heads, self.head_dim, self.tokens, self.key_group, self.value_group, self.policy.sink_tokens]
+        fields = ("kscale", "kzero", "vscale", "vzero", "sink", "kcodes", "vcodes")
+        return [*fixed, self.page_bytes, *(o.get(n, 0) for n in fields)]
+
     # --- views ------------------------------------------------------------------------------
     def views(self, pages: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed views of the fields of ``pages: uint8 [N, page_bytes]`` (no copy): ``name -> [N, *shape]``."""
