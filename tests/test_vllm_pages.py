@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from kvtier.vllm.pages import PAGE_POLICIES, PageFormat, PagePolicy, get_page_policy
 from kvtier.kernels import vllm_paged_cpu
+from kvtier.vllm import paged
 from kvtier.vllm.paged import SideBuffer, SideSlotLost, attend_layer, attend_layer_fused, plan_step, update_layer
 
 H, HQ, D = 3, 9, 64
@@ -158,7 +159,17 @@ class FakeEngine:
         return o[0].transpose(0, 1)
 
 
-ATTEND = [attend_layer, pytest.param(attend_layer_fused, marks=pytest.mark.skipif(not vllm_paged_cpu.available(), reason="no C++ build"))]
+def fused_only(*args):  # noqa: ANN002, ANN201
+    """The fused kernel for every request, prefill chunks too (its causal exact-row path)."""
+    old, paged.KERNEL_MAX_QUERY = paged.KERNEL_MAX_QUERY, 1 << 30
+    try:
+        return attend_layer_fused(*args)
+    finally:
+        paged.KERNEL_MAX_QUERY = old
+
+
+_NO_KERNEL = pytest.mark.skipif(not vllm_paged_cpu.available(), reason="no C++ build")
+ATTEND = [attend_layer, pytest.param(attend_layer_fused, marks=_NO_KERNEL), pytest.param(fused_only, marks=_NO_KERNEL)]
 
 
 @pytest.mark.parametrize("attend", ATTEND)

@@ -20,7 +20,7 @@ from . import build
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_vllm_paged_v2", "vllm_paged_attention.cpp", ["vllm_paged_attention"], ("-fno-math-errno",)
+        "kvtier_vllm_paged_v3", "vllm_paged_attention.cpp", ["vllm_paged_attention"], ("-fno-math-errno",)
     )
 
 
@@ -41,7 +41,8 @@ def paged_attention(
     estart: torch.Tensor,
     layout: list[int],
 ) -> torch.Tensor:
-    """``out [N, Hq, D]`` fp32 of pre-scaled ``q [N, Hq, D]`` fp32 over each request's packed pages
+    """``out [N, Hq, D]`` fp32 of pre-scaled ``q [N, Hq, D]`` fp32 for each request's new tokens
+    ``q[qstart[r, 0]:qstart[r, 1]]`` (rows of ``out`` outside every request are left unset) over its packed pages
     ``pages[pids[pstart[r]:pstart[r+1]]]`` (uint8 ``[B, page]``) and exact rows
     ``ek, ev [estart[r]:estart[r+1]]`` (fp32 ``[E, H, D]``, causal over its last ``q`` rows).
     ``layout``: H, D, T, key group, value group, sink tokens, page bytes, then the byte offsets of

@@ -26,32 +26,8 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder, A
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from .pages import PageFormat, PagePolicy, get_page_policy
+from .pages import _PREFIX, CONFIG_KEY, PageFormat, PagePolicy, get_page_policy, parse_policy_name, policy_name
 from .paged import SideBuffer, StepPlan, attend_layer, attend_layer_fused, plan_step, update_layer
-
-#: key of vLLM's ``additional_config`` naming the engine's kvtier backend
-CONFIG_KEY = "kvtier_attention"
-_PREFIX = "KVTierAttention_"
-
-
-def policy_name(policy: PagePolicy) -> str:
-    """The class name of ``policy``'s backend (every field in it, so any process can rebuild it)."""
-    p = policy
-    bits = 0 if p.bits is None else p.bits
-    return f"{_PREFIX}b{bits}_t{p.block_size}_s{p.sink_tokens}_k{p.key_group or 0}_v{p.value_group}_n{p.side_slots or 0}"
-
-
-def _parse(name: str) -> PagePolicy:
-    fields = dict((part[0], int(part[1:])) for part in name[len(_PREFIX) :].split("_"))
-    return PagePolicy(
-        bits=fields["b"] or None,
-        block_size=fields["t"],
-        sink_tokens=fields["s"],
-        key_group=fields["k"] or None,
-        value_group=fields["v"],
-        side_slots=fields["n"] or None,
-    )
-
 
 @dataclass
 class KVTierMetadata:
@@ -230,5 +206,5 @@ def backend_class(policy: str | PagePolicy) -> type:
 def __getattr__(name: str):  # noqa: ANN202
     """Resolve a backend class path (``kvtier.vllm.backend.<policy_name>``) in any process."""
     if name.startswith(_PREFIX):
-        return backend_class(_parse(name))
+        return backend_class(parse_policy_name(name))
     raise AttributeError(name)

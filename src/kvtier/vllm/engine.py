@@ -17,7 +17,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any
 
-from .pages import PageFormat, PagePolicy, get_page_policy
+from .pages import CONFIG_KEY, PageFormat, PagePolicy, get_page_policy, policy_name
 
 
 def engine_kwargs(policy: str | PagePolicy = "default", *, max_num_seqs: int | None = None) -> dict[str, Any]:
@@ -29,8 +29,6 @@ def engine_kwargs(policy: str | PagePolicy = "default", *, max_num_seqs: int | N
     filled block in the side buffer. The same settings as ``vllm serve`` flags:
     ``--block-size``, ``--max-num-seqs``, ``--additional-config``.
     """
-    from .backend import CONFIG_KEY, policy_name
-
     p = get_page_policy(policy)
     out: dict[str, Any] = {"additional_config": {CONFIG_KEY: policy_name(p)}, "block_size": p.block_size}
     if not p.packed:

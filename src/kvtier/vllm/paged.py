@@ -226,43 +226,66 @@ def attend_layer(
     -------
     ``[N, Hq, D]`` fp32.
     """
-    N, Hq, D = query.shape
-    H = key.shape[1]
-    out = torch.empty(N, Hq, D, dtype=torch.float32)
+    out = torch.empty(query.shape, dtype=torch.float32)
     for req in plan.requests:
-        ks, vs = [], []
-        if req.packed:
-            k, v = fmt.decode(pages[torch.tensor(req.packed)])
-            ks.append(k.transpose(0, 1).reshape(H, -1, D))
-            vs.append(v.transpose(0, 1).reshape(H, -1, D))
-        if req.head_rows:
-            k, v = fmt.decode(pages[req.head_block : req.head_block + 1])
-            ks.append(k[0, :, : req.head_rows])
-            vs.append(v[0, :, : req.head_rows])
-        if req.side_rows:
-            rows = side[req.side_slot, : req.side_rows].float()  # [n, 2, H, D]
-            ks.append(rows[:, 0].transpose(0, 1))
-            vs.append(rows[:, 1].transpose(0, 1))
-        ks.append(key[req.qs : req.qe].float().transpose(0, 1))
-        vs.append(value[req.qs : req.qe].float().transpose(0, 1))
-        k, v = torch.cat(ks, 1), torch.cat(vs, 1)
-        q = query[req.qs : req.qe].float().transpose(0, 1)  # [Hq, q, D]
-        mask = _causal_mask(q.shape[1], k.shape[1])
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=Hq != H
-        )
-        out[req.qs : req.qe] = o[0].transpose(0, 1)
+        out[req.qs : req.qe] = _attend_request(fmt, req, pages, side, query, key, value, scale)
     return out
 
 
+def _attend_request(
+    fmt: PageFormat,
+    req: RequestPlan,
+    pages: torch.Tensor,
+    side: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``[q, Hq, D]`` fp32: one request's new tokens over its decoded pages and exact rows (SDPA)."""
+    H, D = key.shape[1:]
+    Hq = query.shape[1]
+    ks, vs = [], []
+    if req.packed:
+        k, v = fmt.decode(pages[torch.tensor(req.packed)])
+        ks.append(k.transpose(0, 1).reshape(H, -1, D))
+        vs.append(v.transpose(0, 1).reshape(H, -1, D))
+    if req.head_rows:
+        k, v = fmt.decode(pages[req.head_block : req.head_block + 1])
+        ks.append(k[0, :, : req.head_rows])
+        vs.append(v[0, :, : req.head_rows])
+    if req.side_rows:
+        rows = side[req.side_slot, : req.side_rows].float()  # [n, 2, H, D]
+        ks.append(rows[:, 0].transpose(0, 1))
+        vs.append(rows[:, 1].transpose(0, 1))
+    ks.append(key[req.qs : req.qe].float().transpose(0, 1))
+    vs.append(value[req.qs : req.qe].float().transpose(0, 1))
+    k, v = torch.cat(ks, 1), torch.cat(vs, 1)
+    q = query[req.qs : req.qe].float().transpose(0, 1)  # [Hq, q, D]
+    mask = _causal_mask(q.shape[1], k.shape[1])
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=Hq != H
+    )
+    return o[0].transpose(0, 1)
+
+
+#: requests with more new tokens than this attend through SDPA (prefill chunks: compute-bound, BLAS
+#: wins); the others (decode) through the fused kernel, which reads the packed pages once
+KERNEL_MAX_QUERY = 16
+
+
 def kernel_index(plan: StepPlan, tokens: int) -> dict[str, torch.Tensor]:
-    """Index tensors of the fused kernel for ``plan`` (cached on it): per request its new tokens
-    (``qstart``), packed blocks (``pstart``, ``pids``) and exact rows (``estart``: side rows, then
-    the rows of a partly read cached block, then the new tokens); where each exact row comes from."""
+    """Index tensors of the fused kernel for ``plan`` (cached on it), over the requests with at most
+    :data:`KERNEL_MAX_QUERY` new tokens: their new tokens (``qstart [R, 2]``), packed blocks
+    (``pstart``, ``pids``) and exact rows (``estart``: side rows, then the rows of a partly read
+    cached block, then the new tokens), where each exact row comes from, and the other requests."""
     if plan.index is None:
-        qstart, pstart, estart, pids = [0], [0], [0], []
-        side_src, side_dst, new_dst, heads = [], [], [], []
+        qstart, pstart, estart, pids = [], [0], [0], []
+        side_src, side_dst, new_src, new_dst, heads, rest = [], [], [], [], [], []
         for req in plan.requests:
+            if req.qe - req.qs > KERNEL_MAX_QUERY:
+                rest.append(req)
+                continue
             pids.extend(req.packed)
             pstart.append(len(pids))
             e = estart[-1]
@@ -273,19 +296,22 @@ def kernel_index(plan: StepPlan, tokens: int) -> dict[str, torch.Tensor]:
             if req.head_rows:
                 heads.append((e, req.head_block, req.head_rows))
                 e += req.head_rows
+            new_src.extend(range(req.qs, req.qe))
             new_dst.extend(range(e, e + req.qe - req.qs))
             estart.append(e + req.qe - req.qs)
-            qstart.append(req.qe)
+            qstart.append((req.qs, req.qe))
         t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
         plan.index = {
-            "qstart": t(qstart),
+            "qstart": t(qstart).view(-1, 2),
             "pstart": t(pstart),
             "pids": t(pids),
             "estart": t(estart),
             "side_src": t(side_src),
             "side_dst": t(side_dst),
+            "new_src": t(new_src),
             "new_dst": t(new_dst),
             "heads": heads,
+            "rest": rest,
         }
     return plan.index
 
@@ -307,20 +333,25 @@ def attend_layer_fused(
     idx = kernel_index(plan, fmt.tokens)
     N, Hq, D = query.shape
     H = key.shape[1]
-    E = int(idx["estart"][-1])
-    ek = torch.empty(E, H, D, dtype=torch.float32)
-    ev = torch.empty(E, H, D, dtype=torch.float32)
-    if idx["side_src"].numel():
-        rows = side.view(-1, 2, H, D)[idx["side_src"]]
-        ek[idx["side_dst"]], ev[idx["side_dst"]] = rows[:, 0].float(), rows[:, 1].float()
-    ek[idx["new_dst"]], ev[idx["new_dst"]] = key.float(), value.float()
-    for e, block, n in idx["heads"]:
-        k, v = fmt.decode(pages[block : block + 1])
-        ek[e : e + n], ev[e : e + n] = k[0, :, :n].transpose(0, 1), v[0, :, :n].transpose(0, 1)
-    q = (query.float() * scale).contiguous()
-    return vllm_paged_cpu.paged_attention(
-        q, pages, idx["qstart"], idx["pstart"], idx["pids"], ek, ev, idx["estart"], fmt.layout()
-    )
+    out = torch.empty(N, Hq, D, dtype=torch.float32)
+    if idx["qstart"].shape[0]:
+        E = int(idx["estart"][-1])
+        ek = torch.empty(E, H, D, dtype=torch.float32)
+        ev = torch.empty(E, H, D, dtype=torch.float32)
+        if idx["side_src"].numel():
+            rows = side.view(-1, 2, H, D)[idx["side_src"]]
+            ek[idx["side_dst"]], ev[idx["side_dst"]] = rows[:, 0].float(), rows[:, 1].float()
+        ek[idx["new_dst"]], ev[idx["new_dst"]] = key[idx["new_src"]].float(), value[idx["new_src"]].float()
+        for e, block, n in idx["heads"]:
+            k, v = fmt.decode(pages[block : block + 1])
+            ek[e : e + n], ev[e : e + n] = k[0, :, :n].transpose(0, 1), v[0, :, :n].transpose(0, 1)
+        q = (query.float() * scale).contiguous()
+        out = vllm_paged_cpu.paged_attention(
+            q, pages, idx["qstart"], idx["pstart"], idx["pids"], ek, ev, idx["estart"], fmt.layout()
+        )
+    for req in idx["rest"]:
+        out[req.qs : req.qe] = _attend_request(fmt, req, pages, side, query, key, value, scale)
+    return out
 
 
 @torch.no_grad()

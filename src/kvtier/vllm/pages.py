@@ -102,6 +102,31 @@ def get_page_policy(policy: str | PagePolicy) -> PagePolicy:
     return PAGE_POLICIES[policy][0]
 
 
+#: key of vLLM's ``additional_config`` naming the engine's kvtier backend
+CONFIG_KEY = "kvtier_attention"
+_PREFIX = "KVTierAttention_"
+
+
+def policy_name(policy: PagePolicy) -> str:
+    """The class name of ``policy``'s backend (every field in it, so any process can rebuild it)."""
+    p = policy
+    bits = 0 if p.bits is None else p.bits
+    return f"{_PREFIX}b{bits}_t{p.block_size}_s{p.sink_tokens}_k{p.key_group or 0}_v{p.value_group}_n{p.side_slots or 0}"
+
+
+def parse_policy_name(name: str) -> PagePolicy:
+    """Inverse of :func:`policy_name`."""
+    fields = dict((part[0], int(part[1:])) for part in name[len(_PREFIX) :].split("_"))
+    return PagePolicy(
+        bits=fields["b"] or None,
+        block_size=fields["t"],
+        sink_tokens=fields["s"],
+        key_group=fields["k"] or None,
+        value_group=fields["v"],
+        side_slots=fields["n"] or None,
+    )
+
+
 @dataclass(frozen=True)
 class PageFormat:
     """Byte layout of one packed page for ``heads`` KV heads of ``head_dim`` in ``dtype``."""

@@ -119,7 +119,7 @@ struct Rows {
 void vllm_paged_attention(
     torch::Tensor q,          // float32 [N, Hq, D], pre-scaled
     torch::Tensor pages,      // uint8 [B, page]
-    torch::Tensor qstart,     // int64 [R+1]
+    torch::Tensor qstart,     // int64 [R, 2]: begin, end of each request's new tokens
     torch::Tensor pstart,     // int64 [R+1]
     torch::Tensor pids,       // int64 [Np]
     torch::Tensor ek,         // float32 [E, H, D]
@@ -136,7 +136,7 @@ void vllm_paged_attention(
   TORCH_CHECK(L.D % 2 == 0 && L.D <= 512, "head_dim");
   const int64_t Hq = q.size(1), H = L.H, D = L.D, T = L.T;
   const int64_t G = Hq / H;
-  const int64_t nreq = qstart.size(0) - 1;
+  const int64_t nreq = qstart.size(0);
   const float* qp = q.data_ptr<float>();
   const uint8_t* pg = pages.data_ptr<uint8_t>();
   const int64_t* qs = qstart.data_ptr<int64_t>();
@@ -152,11 +152,11 @@ void vllm_paged_attention(
     std::vector<float> qsc, qz, kf(D), vf(D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / H, h = task % H;
-      const int64_t qn = qs[r + 1] - qs[r];
+      const int64_t q0 = qs[2 * r], qn = qs[2 * r + 1] - q0;
       if (qn == 0) continue;
       const int64_t R = qn * G;  // row = i * G + g
       Rows st(R, D, T);
-      auto qrow = [&](int64_t row) { return qp + ((qs[r] + row / G) * Hq + h * G + row % G) * D; };
+      auto qrow = [&](int64_t row) { return qp + ((q0 + row / G) * Hq + h * G + row % G) * D; };
       qsc.assign(R * D, 0.f);
       qz.assign(R, 0.f);
       // ---- packed blocks ----
@@ -301,7 +301,7 @@ void vllm_paged_attention(
         }
       }
       for (int64_t row = 0; row < R; ++row) {
-        float* o = op + ((qs[r] + row / G) * Hq + h * G + row % G) * D;
+        float* o = op + ((q0 + row / G) * Hq + h * G + row % G) * D;
         const float inv = st.l[row] > 0.f ? 1.f / st.l[row] : 0.f;
         const float* a = st.acc.data() + row * D;
         for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
