@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvtier.vllm.pages import PAGE_POLICIES, PageFormat, PagePolicy, get_page_policy
 from kvtier.kernels import vllm_paged_cpu
 from kvtier.vllm import paged
 from kvtier.vllm.paged import SideBuffer, SideSlotLost, attend_layer, attend_layer_fused, plan_step, update_layer
+from kvtier.vllm.pages import PAGE_POLICIES, PageFormat, PagePolicy, get_page_policy
 
 H, HQ, D = 3, 9, 64
 
@@ -51,7 +51,9 @@ def test_presets_and_page_bytes() -> None:
     assert sinks.cell_bytes == 70 and sinks.used_bytes == sinks.page_bytes  # the sink fills the spare byte
 
 
-@pytest.mark.parametrize("policy", [PagePolicy(), PagePolicy(bits=2, key_group=32), PagePolicy(block_size=64, sink_tokens=3)])
+@pytest.mark.parametrize(
+    "policy", [PagePolicy(), PagePolicy(bits=2, key_group=32), PagePolicy(block_size=64, sink_tokens=3)]
+)
 def test_round_trip_bound(policy: PagePolicy) -> None:
     torch.manual_seed(0)
     fmt = PageFormat(policy, H, D, torch.bfloat16)
@@ -104,7 +106,7 @@ class FakeEngine:
         for name, n in (rewind or {}).items():
             self.done[name] = n
         names = list(sched)
-        qsl, lens, rows = [0], [], []
+        qsl, lens = [0], []
         for name in names:
             c, q = self.done[name], sched[name]
             while len(self.table[name]) * self.T < c + q:
@@ -151,7 +153,10 @@ class FakeEngine:
             k[:, j * self.T : (j + 1) * self.T], v[:, j * self.T : (j + 1) * self.T] = kq.double(), vq.double()
         if c % self.T and full < len(self.table[name]) and self.table[name][full] in packed:
             kq, vq = self.quantized(name, full)  # a cached full block read in part
-            k[:, full * self.T : c], v[:, full * self.T : c] = kq[:, : c % self.T].double(), vq[:, : c % self.T].double()
+            k[:, full * self.T : c], v[:, full * self.T : c] = (
+                kq[:, : c % self.T].double(),
+                vq[:, : c % self.T].double(),
+            )
         mask = torch.ones(n, L, dtype=torch.bool).tril(L - n)
         o = F.scaled_dot_product_attention(
             q.double().transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=D**-0.5, enable_gqa=True

@@ -26,8 +26,9 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder, A
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from .pages import _PREFIX, CONFIG_KEY, PageFormat, PagePolicy, get_page_policy, parse_policy_name, policy_name
 from .paged import SideBuffer, StepPlan, attend_layer, attend_layer_fused, plan_step, update_layer
+from .pages import _PREFIX, CONFIG_KEY, PageFormat, PagePolicy, get_page_policy, parse_policy_name, policy_name
+
 
 @dataclass
 class KVTierMetadata:
@@ -51,8 +52,8 @@ class _PagedBuilder(AttentionMetadataBuilder[KVTierMetadata]):
             )
         if kv_cache_spec.block_size != self.policy.block_size:
             raise ValueError(
-                f"vLLM block_size={kv_cache_spec.block_size} but the kvtier policy packs {self.policy.block_size}-token "
-                "pages: pass block_size from kvtier.vllm.engine_kwargs"
+                f"vLLM block_size={kv_cache_spec.block_size} but the kvtier policy packs "
+                f"{self.policy.block_size}-token pages: pass block_size from kvtier.vllm.engine_kwargs"
             )
         slots = self.policy.side_slots or vllm_config.scheduler_config.max_num_seqs
         self.side = SideBuffer(
@@ -136,7 +137,9 @@ class _PagedImpl(AttentionImpl):
             self.attend = attend_layer_fused if fused and vllm_paged_cpu.available() else attend_layer
         pages = kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)
         if pages.shape[1] != self.fmt.page_bytes or not kv_cache.is_contiguous():
-            raise RuntimeError(f"vLLM gave pages {tuple(kv_cache.shape)}: expected {self.fmt.page_bytes} contiguous bytes")
+            raise RuntimeError(
+                f"vLLM gave pages {tuple(kv_cache.shape)}: expected {self.fmt.page_bytes} contiguous bytes"
+            )
         side = attn_metadata.side.layer(layer.layer_name)
         plan = attn_metadata.plan
         q, k, v = query[:n], key[:n], value[:n]

@@ -17,16 +17,19 @@ The byte layout of a page (all offsets even, so fp16 / bf16 fields are aligned v
 
 vLLM sizes a page as ``H * T * cell`` bytes (its ``AttentionSpec.state_content_bytes``), so a
 page is padded up to a whole, even ``cell``. This module owns the policy, the layout and the
-codec; pure torch: imports ``kvtier.quant`` only, never vLLM.
+codec; pure torch: imports ``kvtier.quant`` and the bit packing of :mod:`.blocks`, never vLLM.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from ..quant import pack_bits, quantize_kbit, unpack_bits
+from ..quant import quantize_kbit
+from .blocks import _pack as pack_bits  # kvtier.quant.pack_bits's bytes on int64 words (tested there)
+from .blocks import _unpack as unpack_bits
 
 #: code widths a packed page may use
 PAGE_BITS = (2, 4, 8)
@@ -111,7 +114,9 @@ def policy_name(policy: PagePolicy) -> str:
     """The class name of ``policy``'s backend (every field in it, so any process can rebuild it)."""
     p = policy
     bits = 0 if p.bits is None else p.bits
-    return f"{_PREFIX}b{bits}_t{p.block_size}_s{p.sink_tokens}_k{p.key_group or 0}_v{p.value_group}_n{p.side_slots or 0}"
+    return (
+        f"{_PREFIX}b{bits}_t{p.block_size}_s{p.sink_tokens}_k{p.key_group or 0}_v{p.value_group}_n{p.side_slots or 0}"
+    )
 
 
 def parse_policy_name(name: str) -> PagePolicy:
@@ -201,10 +206,13 @@ class PageFormat:
 
     def layout(self) -> list[int]:
         """The ints the C++ kernel reads a page with (``kvtier.kernels.vllm_paged_cpu``)."""
+        return list(_layout(self))
+
+    def _layout(self) -> tuple[int, ...]:
         o = self.offsets()
         fixed = [self.heads, self.head_dim, self.tokens, self.key_group, self.value_group, self.policy.sink_tokens]
         fields = ("kscale", "kzero", "vscale", "vzero", "sink", "kcodes", "vcodes")
-        return [*fixed, self.page_bytes, *(o.get(n, 0) for n in fields)]
+        return (*fixed, self.page_bytes, *(o.get(n, 0) for n in fields))
 
     # --- views ------------------------------------------------------------------------------
     def views(self, pages: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -260,6 +268,11 @@ class PageFormat:
             sink = f["sink"].to(dtype)
             k[:, :, :s], v[:, :, :s] = sink[:, :, :, 0], sink[:, :, :, 1]
         return k, v
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(fmt: PageFormat) -> tuple[int, ...]:
+    return fmt._layout()
 
 
 def _numel(shape: tuple[int, ...]) -> int:
