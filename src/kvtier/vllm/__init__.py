@@ -16,7 +16,8 @@ codecs into a :class:`~kvtier.vllm.store.PrefixStore` (:mod:`.store`: byte budge
 write-through block files with crc32; :mod:`.blocks`: the record format; :mod:`.policy`: what is
 kept). This package owns all of it and may import torch, vLLM (only :mod:`.spec` and
 :mod:`.backend`, and :func:`kv_transfer_config` / :func:`attention_backend` when called),
-``kvtier.cache.codecs``, ``kvtier.quant``, ``kvtier.errors``; never transformers or ``kvtier.hf``. ``import kvtier`` never imports this package.
+``kvtier.cache.codecs``, ``kvtier.quant``, ``kvtier.errors``, ``kvtier.kernels``; never
+transformers or ``kvtier.hf``. ``import kvtier`` never imports this package.
 """
 
 from .blocks import BlockCodec, BlockFormat, RecordCorrupt
