@@ -125,7 +125,7 @@ def speed(llm, tok, args) -> dict:  # noqa: ANN001
     return {"single_s": statistics.median(times[1:])}
 
 
-def load(llm, tok, args) -> dict:  # noqa: ANN001
+def load(llm, tok, args, name: str) -> dict:  # noqa: ANN001
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -148,7 +148,13 @@ def load(llm, tok, args) -> dict:  # noqa: ANN001
     wall = time.perf_counter() - t
     sched.schedule = orig
     new = sum(len(o.outputs[0].token_ids) for o in outs)
+    side = 0
+    if name not in ("vllm", "fp8"):
+        from kvtier.vllm.backend import side_buffer_bytes
+
+        side = side_buffer_bytes()
     return {
+        "side_buffer_bytes": side,
         "load_s": wall,
         "load_total_tok_s": (new + sum(map(len, prompts))) / wall,
         "load_new_tok_s": new / wall,
@@ -191,7 +197,7 @@ def main() -> None:
             if "speed" in parts:
                 res.update(speed(llm, tok, args))
             if "load" in parts:
-                res.update(load(llm, tok, args))
+                res.update(load(llm, tok, args, name))
             close(llm)
         results[name] = res
         print(name, json.dumps(res), flush=True)

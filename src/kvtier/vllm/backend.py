@@ -18,6 +18,7 @@ module level and is imported only by vLLM's registry (or a test in vLLM's venv).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -28,6 +29,13 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from .paged import SideBuffer, StepPlan, attend_layer, attend_layer_fused, plan_step, update_layer
 from .pages import _PREFIX, CONFIG_KEY, PageFormat, PagePolicy, get_page_policy, parse_policy_name, policy_name
+
+_SIDES: weakref.WeakSet[SideBuffer] = weakref.WeakSet()
+
+
+def side_buffer_bytes() -> int:
+    """Bytes held by the side buffers of the live kvtier engines of this process (outside vLLM's pool)."""
+    return sum(side.nbytes for side in _SIDES)
 
 
 @dataclass
@@ -59,6 +67,7 @@ class _PagedBuilder(AttentionMetadataBuilder[KVTierMetadata]):
         self.side = SideBuffer(
             slots, kv_cache_spec.block_size, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, kv_cache_spec.dtype
         )
+        _SIDES.add(self.side)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
