@@ -262,9 +262,16 @@ def _attend_request(
     vs.append(value[req.qs : req.qe].float().transpose(0, 1))
     k, v = torch.cat(ks, 1), torch.cat(vs, 1)
     q = query[req.qs : req.qe].float().transpose(0, 1)  # [Hq, q, D]
-    mask = _causal_mask(q.shape[1], k.shape[1])
+    n, m = q.shape[1], k.shape[1]
+    mask = None if n == m else _causal_mask(n, m)  # n == m: a whole prompt, SDPA's own causal path
     o = F.scaled_dot_product_attention(
-        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=Hq != H
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        attn_mask=mask,
+        is_causal=n == m > 1,
+        scale=scale,
+        enable_gqa=Hq != H,
     )
     return o[0].transpose(0, 1)
 
