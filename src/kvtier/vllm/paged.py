@@ -24,7 +24,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import KVTierError
 from .pages import PageFormat
@@ -258,22 +257,30 @@ def _attend_request(
         rows = side[req.side_slot, : req.side_rows].float()  # [n, 2, H, D]
         ks.append(rows[:, 0].transpose(0, 1))
         vs.append(rows[:, 1].transpose(0, 1))
-    ks.append(key[req.qs : req.qe].float().transpose(0, 1))
-    vs.append(value[req.qs : req.qe].float().transpose(0, 1))
-    k, v = torch.cat(ks, 1), torch.cat(vs, 1)
-    q = query[req.qs : req.qe].float().transpose(0, 1)  # [Hq, q, D]
-    n, m = q.shape[1], k.shape[1]
-    mask = None if n == m else _causal_mask(n, m)  # n == m: a whole prompt, SDPA's own causal path
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(0),
-        k.unsqueeze(0),
-        v.unsqueeze(0),
-        attn_mask=mask,
-        is_causal=n == m > 1,
-        scale=scale,
-        enable_gqa=Hq != H,
+    q = query[req.qs : req.qe].float().transpose(0, 1).contiguous()  # [Hq, n, D]
+    n, G = q.shape[1], Hq // H
+    kn = key[req.qs : req.qe].float().transpose(0, 1).repeat_interleave(G, 0)  # [Hq, n, D]
+    vn = value[req.qs : req.qe].float().transpose(0, 1).repeat_interleave(G, 0)
+    new = _flash(q, kn, vn, scale, causal=n > 1)  # the chunk over itself
+    if not ks:
+        return new[0].transpose(0, 1)
+    # the chunk over everything before it (all visible): the G query heads of a KV head as one row block
+    k, v = torch.cat(ks, 1).contiguous(), torch.cat(vs, 1).contiguous()
+    old = _flash(q.view(H, G * n, D), k, v, scale, causal=False)
+    o1, l1 = old[0].reshape(Hq, n, D), old[1].reshape(Hq, n)
+    o2, l2 = new
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+    o = (o1 * w1.unsqueeze(-1) + o2 * w2.unsqueeze(-1)) / (w1 + w2).unsqueeze(-1)
+    return o.transpose(0, 1)
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):  # noqa: ANN202
+    """``(out [H, n, D], lse [H, n])`` of torch's CPU flash attention (fp32; causal: top-left aligned)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, causal, scale=scale
     )
-    return o[0].transpose(0, 1)
+    return out[0], lse[0]
 
 
 #: requests with more new tokens than this attend through SDPA (prefill chunks: compute-bound, BLAS
