@@ -47,7 +47,7 @@ def test_presets_and_page_bytes() -> None:
     fmt = PageFormat(get_page_policy("default"), H, D, torch.bfloat16)
     # codes 2 x 32 B, value scale+zero 4 B, key scale+zero 4 * 64 B over 128 tokens: 70 B per cell
     assert (fmt.cell_bytes, fmt.page_bytes, fmt.exact_page_bytes) == (70, 26880, 98304)
-    sinks = PageFormat(get_page_policy("sinks"), H, D, torch.bfloat16)
+    sinks = PageFormat(PagePolicy(block_size=256, sink_tokens=1), H, D, torch.bfloat16)
     assert sinks.cell_bytes == 70 and sinks.used_bytes == sinks.page_bytes  # the sink fills the spare byte
 
 

@@ -92,11 +92,8 @@ PAGE_POLICIES: dict[str, tuple[PagePolicy, str]] = {
     ),
     "default": (
         PagePolicy(),
-        "4-bit pages (keys per channel over the 128-token block, values per token): 3.66x the tokens of bf16",
-    ),
-    "sinks": (
-        PagePolicy(block_size=256, sink_tokens=1),
-        "4-bit 256-token pages whose first token stays exact (the attention sink), same bytes per token",
+        "4-bit pages (keys per channel over the 128-token block, values per token): 3.66x the tokens of bf16; "
+        "measured +0.011 / +0.004 nats on the next 64 tokens after 3k, +0.5 / +0.7 % 4k perplexity (2 books)",
     ),
 }
 
