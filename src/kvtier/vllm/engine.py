@@ -26,8 +26,9 @@ def engine_kwargs(policy: str | PagePolicy = "default", *, max_num_seqs: int | N
 
     ``block_size`` is the policy's page; ``max_num_seqs`` (default: the policy's ``side_slots``,
     else vLLM's default) bounds the requests running at once, each holding one exact partly
-    filled block in the side buffer. The same settings as ``vllm serve`` flags:
-    ``--block-size``, ``--max-num-seqs``, ``--additional-config``.
+    filled block in the side buffer. (``vllm serve`` has the same flags, ``--block-size``,
+    ``--max-num-seqs``, ``--additional-config``, but its engine core runs in a spawned process
+    that this process's registration does not reach: not supported yet.)
     """
     p = get_page_policy(policy)
     out: dict[str, Any] = {"additional_config": {CONFIG_KEY: policy_name(p)}, "block_size": p.block_size}
