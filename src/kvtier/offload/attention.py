@@ -35,6 +35,7 @@ from ..attention.partials import Partial, exact_partial, from_rows, merge, to_ro
 from ..attention.plan import AttentionPlan, ChunkPlan, plan_for
 from ..cache.state import LayerState
 from ..indexing import hot_rows_allowed
+from ..kernels import fused_cpu
 from ..policy import OffloadPolicy
 from .sketch import KeySketch, block_lse, block_lse_torch, query_rows
 from .tier import OffloadTier
@@ -196,10 +197,15 @@ def kernel_path(tier: OffloadTier, chunk: ChunkPlan) -> bool:
 
 
 def _attend_kernel(
-    tier: OffloadTier, rows: torch.Tensor, row_pos: torch.Tensor, resident: list[Partial], start: int
+    tier: OffloadTier,
+    rows: torch.Tensor,
+    row_pos: torch.Tensor,
+    out_res: torch.Tensor,
+    lse_res: torch.Tensor,
+    start: int,
 ) -> torch.Tensor:
     """The C++ path of :func:`_attend` for the cold tier: select (or reuse), attend in place,
-    merge with the resident partials. Returns ``out [B,H,R,D]``."""
+    merge with the resident part (``out_res [B,H,R,D]``, ``lse_res [B,H,R]``). Returns ``out [B,H,R,D]``."""
     from ..kernels import offload_cpu
 
     policy = tier.policy
@@ -207,8 +213,6 @@ def _attend_kernel(
     B, H, R, D = rows.shape
     fields = tier.fields
     n = tier.nblocks
-    lse_res = torch.stack([p.lse for p in resident]).logsumexp(0) if len(resident) > 1 else resident[0].lse
-    out_res = merge(resident)
     tier.stats.blocks_total += B * H * n
     keep = tier.reused_selection(B, H, R)
     if keep is None:
@@ -218,7 +222,7 @@ def _attend_kernel(
             forced_from = torch.full((R,), n, dtype=torch.long)
         if policy.unlimited:
             keep = nonempty_blocks(fields).unsqueeze(2).expand(B, H, R, n).contiguous()
-            scores, scored = None, n * B * H
+            scores, scored = torch.zeros(keep.shape).masked_fill(~keep, float("-inf")), 0
         else:
             keep, scores, counts = offload_cpu.offload_select(
                 query_rows(rows, tier.sketch),
@@ -233,13 +237,11 @@ def _attend_kernel(
             )
             scored = int(counts.sum())
         tier.remember_selection(keep, scored)
-        if tier.prefetch_enabled and scores is not None:
+        if tier.prefetch_enabled:
             tier.observe(keep, scores)
     valid = fields["valid"]
     if tier.in_place:
-        kptr = tier.store.addresses(tier.table)
-        vptr = kptr + T * D * tier.layout.dtype.itemsize
-        vptr = torch.where(kptr != 0, vptr, kptr)
+        kptr, vptr = tier.record_addresses()
         out, lse, _ = offload_cpu.offload_attend(rows, keep, kptr, vptr, valid, T, tier.layout.dtype, out_res, lse_res)
         union = int(keep.any(2).sum())
         tier.stats.needed += union
@@ -281,15 +283,28 @@ def _attend(
     rows = to_rows(query, H, scaling)
     tier = layer.cold
     parts: list[Partial] = []
-    if layer.sinks.k is not None:
+    fast = (
+        tier.nblocks and kernel_path(tier, chunk) and fused_cpu.available() and not (layer.warm and layer.warm.nblocks)
+    )
+    if layer.sinks.k is not None and not fast:
         parts.append(chunk.exact.exact(rows, layer.sinks.k, layer.sinks.v, layer.sinks.valid()[:, None, None, :]))
     if layer.warm is not None and layer.warm.nblocks:
         warm = layer.warm
         parts.append(chunk.backend(warm.codec).tier(rows, warm.fields, warm.codec, D))
     hk, hv = layer.hot.view()
+    if fast:
+        # sinks and hot in one fused call, then the cold tier: two more C++ calls
+        exact = [] if layer.sinks.k is None else [(layer.sinks.k, layer.sinks.v, layer.sinks.valid()[:, None, :])]
+        if padding is None and q == 1 and int(q_pos[0]) == layer.seen - 1:  # the last token: nothing masked
+            allowed = torch.ones(1, 1, hk.shape[2], dtype=torch.bool)
+        else:
+            allowed = hot_rows_allowed(layer, q_pos, padding, Hq // H)[:, 0]
+        out, lse, _ = fused_cpu.layer_attention(rows, [*exact, (hk, hv, allowed)], [])
+        return from_rows(_attend_kernel(tier, rows, q_pos.repeat(Hq // H), out, lse, layer.evicted), Hq, q)
     parts.append(chunk.exact.exact(rows, hk, hv, hot_rows_allowed(layer, q_pos, padding, Hq // H)))
     if tier.nblocks and kernel_path(tier, chunk):
-        return from_rows(_attend_kernel(tier, rows, q_pos.repeat(Hq // H), parts, layer.evicted), Hq, q)
+        lse_res = torch.stack([p.lse for p in parts]).logsumexp(0)
+        return from_rows(_attend_kernel(tier, rows, q_pos.repeat(Hq // H), merge(parts), lse_res, layer.evicted), Hq, q)
     if tier.nblocks:
         parts += _cold_partials(tier, rows, q_pos.repeat(Hq // H), parts, layer.evicted, chunk.sketch_kernel)
     return from_rows(merge(parts), Hq, q)

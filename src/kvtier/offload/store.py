@@ -181,6 +181,7 @@ class BlockStore(NotCopyable):
         self._free: list[int] = []  # heap of free ids below capacity
         self._live = bytearray()  # 1 where a record is allocated
         self.capacity = 0
+        self.version = 0  # bumped whenever slabs are added or released (record addresses change)
         self._finalizer = weakref.finalize(self, _close_maps, self._maps, self._paths)
 
     # --- bookkeeping ------------------------------------------------------------------------
@@ -216,6 +217,7 @@ class BlockStore(NotCopyable):
         heapq.heapify(self._free)
         self._live.extend(bytes(size))
         self.capacity += size
+        self.version += 1
 
     def _release_slabs(self, keep: int) -> None:
         """Drop the slabs after the first ``keep`` (all their records free), deleting their files:
@@ -242,6 +244,7 @@ class BlockStore(NotCopyable):
         heapq.heapify(self._free)
         del self._live[cap:]
         self.capacity = cap
+        self.version += 1
 
     def trim(self) -> None:
         """Release trailing slabs that hold no live record (their files too): a store whose
@@ -474,6 +477,7 @@ class BlockStore(NotCopyable):
         self._starts.clear()
         self._crc = None
         self.capacity = 0
+        self.version += 1
 
     @property
     def closed(self) -> bool:

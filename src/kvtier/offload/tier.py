@@ -83,6 +83,7 @@ class OffloadTier(NotCopyable):
         # (blocks [B,H,k], k, v [B,H,k,T,D] on the device, listed bool [B,H,n], used bool [B,H,n])
         self._staged: tuple | None = None
         self._selection: tuple[torch.Tensor, int] | None = None  # (keep [B,H,R,n'], steps reused)
+        self._addresses: tuple | None = None  # (table, store version, kptr, vptr): see record_addresses
         self.stats = OffloadStats()
         #: Diagnostic (benchmarks): measure the exact mass of the blocks each row skipped, reading
         #: every block of the tier at every call (slow). Counted in ``stats.skipped_*``.
@@ -210,9 +211,14 @@ class OffloadTier(NotCopyable):
         return k, v, self.fields["valid"].reshape(B, -1)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Resident tensors: sketches, validity, block table, prediction, store checksums."""
+        """Resident tensors: sketches, validity, block table, prediction, kept selection, record
+        addresses, store checksums."""
         out = list(self.fields.values())
         out += [t for t in (self.table, self.predicted) if t is not None]
+        if self._selection is not None:  # the selection kept for reuse and the address cache
+            out.append(self._selection[0])
+        if self._addresses is not None:
+            out += list(self._addresses[2:])
         return out + self.store.tensors()
 
     def staging_tensors(self) -> list[torch.Tensor]:
@@ -318,6 +324,18 @@ class OffloadTier(NotCopyable):
     def in_place(self) -> bool:
         """Attention reads records where they lie: a host-RAM store without prefetch staging."""
         return self.store.backend == "cpu" and self.device.type == "cpu" and not self.prefetch_enabled
+
+    def record_addresses(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``"cpu"`` store: addresses of every block's keys and values, int64 ``[B, H, n]`` (exact
+        records: keys ``[T, D]`` then values), cached until the block table or the store changes."""
+        cached = self._addresses
+        if cached is not None and cached[0] is self.table and cached[1] == self.store.version:
+            return cached[2], cached[3]
+        assert self.table is not None and self.layout.bits is None
+        kptr = self.store.addresses(self.table)
+        vptr = torch.where(kptr != 0, kptr + self.block_tokens * self.head_dim * self.layout.dtype.itemsize, kptr)
+        self._addresses = (self.table, self.store.version, kptr, vptr)
+        return kptr, vptr
 
     def _padded(self, keep: torch.Tensor) -> torch.Tensor:
         """A selection ``[B,H,R,n']`` of fewer blocks extended to the tier's ``n``: blocks offloaded

@@ -74,16 +74,20 @@ inline float logaddexp(float a, float b) {
 
 }  // namespace
 
-// Coarse bound, walk, sketch scores and the mass rule; see offload_cpu.offload_select.
-std::vector<torch::Tensor> offload_select(torch::Tensor qr, torch::Tensor signs, torch::Tensor scale,
+namespace {
+
+// Coarse bound, walk, sketch scores and the mass rule; see offload_cpu.offload_select. DC: the
+// head dim when known at compile time (loops unroll into SIMD registers), 0 otherwise.
+template <int DC>
+std::vector<torch::Tensor> select_impl(torch::Tensor qr, torch::Tensor signs, torch::Tensor scale,
                                           torch::Tensor mean, torch::Tensor alpha, torch::Tensor amax,
                                           torch::Tensor valid, torch::Tensor lse_res, torch::Tensor forced_from,
                                           double mass, int64_t min_blocks, int64_t max_blocks, double tol) {
   TORCH_CHECK(qr.dtype() == torch::kFloat32 && qr.is_contiguous(), "rows: contiguous float32");
   TORCH_CHECK(scale.dtype() == torch::kFloat16 && mean.dtype() == torch::kFloat16 &&
                   alpha.dtype() == torch::kFloat16, "scale, mean, alpha: float16");
-  const int64_t B = qr.size(0), H = qr.size(1), R = qr.size(2), D = qr.size(3);
-  const int64_t n = signs.size(2), T = signs.size(3), P = signs.size(4), Dp = 8 * P;
+  const int64_t B = qr.size(0), H = qr.size(1), R = qr.size(2), D = DC > 0 ? DC : qr.size(3);
+  const int64_t n = signs.size(2), T = signs.size(3), P = signs.size(4), Dp = DC > 0 ? (DC + 7) / 8 * 8 : 8 * P;
   TORCH_CHECK(Dp >= D, "signs do not cover head_dim");
   auto keep = torch::zeros({B, H, R, n}, qr.options().dtype(torch::kBool));
   auto lse = torch::full({B, H, R, n}, NEG, qr.options());
@@ -155,7 +159,13 @@ std::vector<torch::Tensor> offload_select(torch::Tensor qr, torch::Tensor signs,
         to_float(km + (bh * n + j) * D, 0, D, mbuf.data());
         to_float(al + (bh * n + j) * T, 0, T, abuf.data());
         const uint8_t* codes = sg + (bh * n + j) * T * P;
-        for (int64_t t = 0; t < T * P; ++t) std::memcpy(bits.data() + 8 * t, kBits.v[codes[t]], 8 * sizeof(float));
+#if defined(__AVX512F__)
+        constexpr bool masked = DC == 64;  // a token's 64 sign bits are one AVX-512 mask word
+#else
+        constexpr bool masked = false;
+#endif
+        if constexpr (!masked)
+          for (int64_t t = 0; t < T * P; ++t) std::memcpy(bits.data() + 8 * t, kBits.v[codes[t]], 8 * sizeof(float));
         const bool* okb = ok + (b * n + j) * T;
         for (int64_t r = 0; r < R; ++r) {
           float* wr = w.data() + r * Dp;
@@ -167,13 +177,33 @@ std::vector<torch::Tensor> offload_select(torch::Tensor qr, torch::Tensor signs,
             ws += wr[d];
           }
           float m = NEG;
-          for (int64_t t = 0; t < T; ++t) {
-            const float* bt = bits.data() + t * Dp;
-            float dot = 0.f;
+#if defined(__AVX512F__)
+          if constexpr (masked) {
+            // w . bits = the sum of w over the channels whose bit is set: masked adds, no unpacking
+            const __m512 w0 = _mm512_loadu_ps(wr), w1 = _mm512_loadu_ps(wr + 16);
+            const __m512 w2 = _mm512_loadu_ps(wr + 32), w3 = _mm512_loadu_ps(wr + 48);
+            for (int64_t t = 0; t < T; ++t) {
+              uint64_t bm;
+              std::memcpy(&bm, codes + t * 8, 8);
+              __m512 acc = _mm512_maskz_mov_ps(__mmask16(bm), w0);
+              acc = _mm512_mask_add_ps(acc, __mmask16(bm >> 16), acc, w1);
+              acc = _mm512_mask_add_ps(acc, __mmask16(bm >> 32), acc, w2);
+              acc = _mm512_mask_add_ps(acc, __mmask16(bm >> 48), acc, w3);
+              const float dot = _mm512_reduce_add_ps(acc);
+              x[t] = okb[t] ? dm + abuf[t] * (2.f * dot - ws) : NEG;
+              m = std::max(m, x[t]);
+            }
+          } else
+#endif
+          {
+            for (int64_t t = 0; t < T; ++t) {
+              const float* bt = bits.data() + t * Dp;
+              float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += wr[d] * bt[d];
-            x[t] = okb[t] ? dm + abuf[t] * (2.f * dot - ws) : NEG;
-            m = std::max(m, x[t]);
+              for (int64_t d = 0; d < D; ++d) dot += wr[d] * bt[d];
+              x[t] = okb[t] ? dm + abuf[t] * (2.f * dot - ws) : NEG;
+              m = std::max(m, x[t]);
+            }
           }
           float s = 0.f;
           if (m != NEG) {
@@ -213,13 +243,29 @@ std::vector<torch::Tensor> offload_select(torch::Tensor qr, torch::Tensor signs,
   return {keep, lse, scored};
 }
 
+}  // namespace
+
+std::vector<torch::Tensor> offload_select(torch::Tensor qr, torch::Tensor signs, torch::Tensor scale,
+                                          torch::Tensor mean, torch::Tensor alpha, torch::Tensor amax,
+                                          torch::Tensor valid, torch::Tensor lse_res, torch::Tensor forced_from,
+                                          double mass, int64_t min_blocks, int64_t max_blocks, double tol) {
+  if (qr.size(3) == 64 && signs.size(4) == 8)
+    return select_impl<64>(qr, signs, scale, mean, alpha, amax, valid, lse_res, forced_from, mass, min_blocks,
+                           max_blocks, tol);
+  return select_impl<0>(qr, signs, scale, mean, alpha, amax, valid, lse_res, forced_from, mass, min_blocks,
+                        max_blocks, tol);
+}
+
+namespace {
+
 // Exact attention over the blocks each row keeps, merged into (out_prev, lse_prev); see
-// offload_cpu.offload_attend.
-std::vector<torch::Tensor> offload_attend(torch::Tensor rows, torch::Tensor keep, torch::Tensor kptr,
+// offload_cpu.offload_attend. DC as for select_impl.
+template <int DC>
+std::vector<torch::Tensor> attend_impl(torch::Tensor rows, torch::Tensor keep, torch::Tensor kptr,
                                           torch::Tensor vptr, torch::Tensor valid, int64_t T, int64_t dtype,
                                           torch::Tensor out_prev, torch::Tensor lse_prev) {
   TORCH_CHECK(rows.dtype() == torch::kFloat32 && rows.is_contiguous(), "rows: contiguous float32");
-  const int64_t B = rows.size(0), H = rows.size(1), R = rows.size(2), D = rows.size(3);
+  const int64_t B = rows.size(0), H = rows.size(1), R = rows.size(2), D = DC > 0 ? DC : rows.size(3);
   const int64_t n = keep.size(3);
   auto out = torch::empty({B, H, R, D}, rows.options());
   auto lse = torch::empty({B, H, R}, rows.options());
@@ -300,12 +346,24 @@ std::vector<torch::Tensor> offload_attend(torch::Tensor rows, torch::Tensor keep
           if (r < 0) continue;
           const float* x = sc.data() + r * T;
           float* ar = acc.data() + r * D;
-          for (int64_t t = 0; t < T; ++t) {
-            const float p = x[t];
-            if (p == 0.f) continue;
-            const float* vt = vf.data() + t * D;
+          if constexpr (DC > 0) {
+            alignas(32) float la[DC];
+            for (int d = 0; d < DC; ++d) la[d] = ar[d];
+            for (int64_t t = 0; t < T; ++t) {
+              const float p = x[t];
+              const float* vt = vf.data() + t * DC;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ar[d] += p * vt[d];
+              for (int d = 0; d < DC; ++d) la[d] += p * vt[d];
+            }
+            for (int d = 0; d < DC; ++d) ar[d] = la[d];
+          } else {
+            for (int64_t t = 0; t < T; ++t) {
+              const float p = x[t];
+              if (p == 0.f) continue;
+              const float* vt = vf.data() + t * D;
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) ar[d] += p * vt[d];
+            }
           }
         }
       }
@@ -319,4 +377,13 @@ std::vector<torch::Tensor> offload_attend(torch::Tensor rows, torch::Tensor keep
     }
   });
   return {out, lse, counts};
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> offload_attend(torch::Tensor rows, torch::Tensor keep, torch::Tensor kptr,
+                                          torch::Tensor vptr, torch::Tensor valid, int64_t T, int64_t dtype,
+                                          torch::Tensor out_prev, torch::Tensor lse_prev) {
+  if (rows.size(3) == 64) return attend_impl<64>(rows, keep, kptr, vptr, valid, T, dtype, out_prev, lse_prev);
+  return attend_impl<0>(rows, keep, kptr, vptr, valid, T, dtype, out_prev, lse_prev);
 }
