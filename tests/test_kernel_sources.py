@@ -23,7 +23,12 @@ PKG = ROOT / "src" / "kvtier"
 CSRC = PKG / "kernels" / "csrc"
 
 #: Kernel module -> the function its C++ exports.
-KERNELS = {"cpu": "packed_attention", "fused_cpu": "layer_attention", "sketch_cpu": "sketch_block_lse"}
+KERNELS = {
+    "cpu": "packed_attention",
+    "fused_cpu": "layer_attention",
+    "sketch_cpu": "sketch_block_lse",
+    "offload_cpu": "offload_attend",
+}
 
 #: Text that only a C++ kernel body (or its bindings) would put in a Python file.
 CPP_MARKERS = ("#include <", "TORCH_LIBRARY", "PYBIND11", "TORCH_CHECK(", "torch::Tensor", "at::parallel_for")
