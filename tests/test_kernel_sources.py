@@ -28,6 +28,7 @@ KERNELS = {
     "fused_cpu": "layer_attention",
     "sketch_cpu": "sketch_block_lse",
     "vllm_paged_cpu": "vllm_paged_attention",
+    "offload_cpu": "offload_attend",
 }
 
 #: Text that only a C++ kernel body (or its bindings) would put in a Python file.

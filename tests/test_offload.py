@@ -290,22 +290,21 @@ def test_unlimited_budget_with_warm_tier_and_8bit_store_matches_reference():
 
 
 @pytest.mark.parametrize("budget", [dict(mass=0.6, min_blocks=1), dict(mass=None, max_blocks=2, min_blocks=0)])
-def test_limited_budget_drops_exactly_the_unselected_blocks(budget, monkeypatch):
-    import kvtier.offload.attention as oa
-
-    pol = off_policy(**budget)
+@pytest.mark.parametrize("force", [None, "torch"])  # the C++ path (where it builds) and the torch path
+def test_limited_budget_drops_exactly_the_unselected_blocks(budget, force):
+    pol = off_policy(**budget)  # prefetch on: every selection is observed
     layer, keys, values, valid = build_layer(pol, q=3)
     chosen = {}
-    select = oa.select_offloaded
+    observe = layer.cold.observe
 
-    def spy(*args, **kw):
-        chosen["keep"] = select(*args, **kw)
-        return chosen["keep"]
+    def spy(keep, scores):
+        chosen["keep"] = keep
+        return observe(keep, scores)
 
-    monkeypatch.setattr(oa, "select_offloaded", spy)
+    layer.cold.observe = spy
     B, H, gqa, q, D = 3, 2, 2, 3, 12
     query = torch.randn(B, H * gqa, q, D, generator=torch.Generator().manual_seed(4))
-    out = tiered_attention(layer, query, mask_for(valid, q), 0.3)
+    out = tiered_attention(layer, query, mask_for(valid, q), 0.3, force=force)
     keep = chosen["keep"]  # [B, H, R, n]
     n = layer.cold.nblocks
     assert keep.any() and not keep.all()
@@ -419,11 +418,11 @@ def test_prefetch_on_and_off_identical_and_stats_add_up(model):
     assert torch.equal(a.argmax(-1), b.argmax(-1))
     on, off = runs[True][1], runs[False][1]
     for st in (on, off):
-        assert st.hits + st.misses == st.needed > 0
+        assert st.hits + st.misses + st.in_place == st.needed > 0
         assert st.blocks_moved == st.prefetched + st.misses
         assert st.bytes_moved == st.blocks_moved * rb
         assert st.calls == 4 * (96 // 16 + 12 - 2)  # every layer call from the third on (cold exists)
-    assert off.hits == off.prefetched == 0 and off.needed == on.needed
+    assert off.hits == off.prefetched == 0 and off.needed == on.needed and off.in_place > 0 == on.in_place
     assert on.hit_rate > 0.8 and on.prefetched - on.unused == on.hits
     d = on.to_dict()
     assert {"hit_rate", "blocks_moved", "bytes_moved", "stall_s"} <= d.keys()

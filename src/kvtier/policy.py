@@ -158,6 +158,12 @@ class OffloadPolicy:
         within the same memory and a worker doing it slows the compute thread more than it saves
         (measured on SmolLM2: 329.8 ms/token on vs 309.0 off at 8k, see BENCHMARKS.md).
     margin : blocks per KV head added to a prediction beyond last step's selection (the next-best).
+    coarse_tol : two-level selection (CPU kernel): blocks are walked by descending coarse bound
+        (an upper bound of each block's sketch estimate from resident per-block data) and scored
+        from their sketch until the bounds of the blocks left sum to at most this fraction of every
+        row's estimated total; ``0`` scores every block.
+    reuse_steps : a layer's block selection is recomputed every this many decode steps and reused
+        in between (blocks offloaded since are added); ``1``: every step.
     """
 
     backend: str = "cpu"
@@ -169,6 +175,8 @@ class OffloadPolicy:
     local_window: int = 0
     prefetch: bool | None = None
     margin: int = 4
+    coarse_tol: float = 0.0
+    reuse_steps: int = 1
 
     def __post_init__(self) -> None:
         _check_choice("backend", self.backend, OFFLOAD_BACKENDS)
@@ -186,6 +194,15 @@ class OffloadPolicy:
         _check_count("min_blocks", self.min_blocks, allow_none=False, maximum=MAX_BLOCKS)
         _check_count("local_window", self.local_window, allow_none=False, maximum=MAX_WINDOW)
         _check_count("margin", self.margin, allow_none=False, maximum=MAX_BLOCKS)
+        _check(
+            isinstance(self.coarse_tol, (int, float))
+            and not isinstance(self.coarse_tol, bool)
+            and 0 <= self.coarse_tol < 1,
+            "coarse_tol",
+            self.coarse_tol,
+            "a number in [0, 1)",
+        )
+        _check_count("reuse_steps", self.reuse_steps, allow_none=False, minimum=1, maximum=MAX_BLOCKS)
         _check(
             self.prefetch is None or isinstance(self.prefetch, bool), "prefetch", self.prefetch, "a bool or None (auto)"
         )

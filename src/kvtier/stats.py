@@ -91,18 +91,44 @@ class OffloadStats(_Counters):
     ``prefetched`` records were read ahead, ``unused`` of them were not needed. ``bytes_moved``
     counts every record read from the store (prefetched or missed). ``stall_s`` is the time the
     attention waited for data (a prefetch still in flight, or the synchronous reads);
-    ``fetch_s`` the worker's time reading ahead.
+    ``fetch_s`` the worker's time reading ahead. Records attended where they lie in a host-RAM
+    store (no copy: :mod:`kvtier.kernels.offload_cpu`) count as ``in_place`` instead, so that
+    ``hits + misses + in_place == needed``.
+
+    Selection (the two-level CPU path): ``blocks_total`` cold records present at its calls,
+    ``blocks_scored`` of them scored from their sketch (none at a call reusing a selection);
+    ``reused`` calls that reused the layer's previous selection instead of selecting; at each
+    fresh selection, ``reuse_needed`` records selected and ``reuse_hits`` of them also in the
+    layer's previous selection (how much a reused selection would have held).
+    ``skipped_*`` (only while :attr:`kvtier.offload.tier.OffloadTier.measure_skipped` is set): the
+    exact softmax mass of the cold blocks a query row did not attend, summed over ``skipped_rows``
+    rows, and its largest value.
     """
 
     calls: int = 0
     needed: int = 0
     hits: int = 0
     misses: int = 0
+    in_place: int = 0
     prefetched: int = 0
     unused: int = 0
     bytes_moved: int = 0
     stall_s: float = 0.0
     fetch_s: float = 0.0
+    blocks_total: int = 0
+    blocks_scored: int = 0
+    reused: int = 0
+    reuse_needed: int = 0
+    reuse_hits: int = 0
+    skipped_mass: float = 0.0
+    skipped_rows: int = 0
+    skipped_max: float = 0.0
+
+    def add(self, other: OffloadStats) -> None:
+        """Add ``other``'s counts; ``skipped_max`` takes the larger."""
+        top = max(self.skipped_max, other.skipped_max)
+        super().add(other)
+        self.skipped_max = top
 
     @property
     def hit_rate(self) -> float:

@@ -15,6 +15,15 @@ Per query row (the ``Gq * q`` queries sharing a KV head) and call:
    mask (:func:`exact_partial`, one partial per source): a row never sees a block it did not
    select, so the result equals exact attention with the unselected blocks removed (up to fp32
    summation order), and with an unlimited budget it equals exact attention.
+
+The CPU decode path (:func:`_attend_kernel`, when the plan scores sketches in C++ and the records
+are exact) does steps 2-4 in two calls per layer (:mod:`kvtier.kernels.offload_cpu`): a
+*two-level* selection - a coarse per-block bound orders the blocks and only the blocks whose bound
+could still matter are scored from their sketch (``OffloadPolicy.coarse_tol``) - and exact
+attention reading each selected record where it lies in a host-RAM store (no gather copy), or in
+the buffers :meth:`OffloadTier.gather` read (disk, prefetch), merged with the resident part.
+A layer may reuse its previous selection for ``OffloadPolicy.reuse_steps - 1`` decode steps.
+Its references are :func:`select_two_level_torch` and :func:`attend_blocks_torch`.
 """
 
 from __future__ import annotations
@@ -26,8 +35,9 @@ from ..attention.partials import Partial, exact_partial, from_rows, merge, to_ro
 from ..attention.plan import AttentionPlan, ChunkPlan, plan_for
 from ..cache.state import LayerState
 from ..indexing import hot_rows_allowed
+from ..kernels import fused_cpu
 from ..policy import OffloadPolicy
-from .sketch import block_lse
+from .sketch import KeySketch, block_lse, block_lse_torch, query_rows
 from .tier import OffloadTier
 
 
@@ -98,6 +108,173 @@ def _cold_partials(
     return parts
 
 
+def coarse_bounds(qrot: torch.Tensor, fields: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Upper bound of each block's sketch log-sum-exp: ``qrot [B,H,R,D]`` (rotated like the sketch)
+    -> ``[B,H,R,n]`` (``-inf``: no valid token). Every sketched key is ``mean + alpha_t * scale *
+    (+-1)`` with ``0 <= alpha_t <= amax``, so its score is at most ``q . mean + amax * sum_c |q_c
+    scale_c|``, and a block's log-sum-exp at most that plus ``log(valid tokens)``."""
+    mean = fields["k_mean"].float().squeeze(3)  # [B,H,n,D]
+    scale = fields["k_scale"].float().squeeze(3)
+    amax = fields["k_amax"].float()  # [B,H,n]
+    dm = qrot @ mean.transpose(-1, -2)  # [B,H,R,n]
+    da = qrot.abs() @ scale.abs().transpose(-1, -2)
+    count = fields["valid"].sum(-1).float()  # [B,1,n]
+    return (dm + amax.unsqueeze(2) * da + count.log().unsqueeze(2)).masked_fill(
+        (count == 0).unsqueeze(2), float("-inf")
+    )
+
+
+def select_two_level_torch(
+    qrot: torch.Tensor,
+    fields: dict[str, torch.Tensor],
+    lse_res: torch.Tensor,
+    forced_from: torch.Tensor,
+    policy: OffloadPolicy,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of :func:`kvtier.kernels.offload_cpu.offload_select`: ``(keep [B,H,R,n], lse
+    [B,H,R,n], scored [B*H])``. ``qrot`` are the rotated rows; the sketch estimate is computed for
+    every block here and masked to the blocks the walk scores."""
+    B, H, R, _ = qrot.shape
+    n = fields["valid"].shape[2]
+    ub = coarse_bounds(qrot, fields)  # [B,H,R,n]
+    lse_all = block_lse_torch(qrot, fields, KeySketch(rotate=False))  # rows already rotated  # [B,H,R,n]
+    order = ub.amax(2).argsort(dim=-1, descending=True, stable=True)  # [B,H,n]
+    idx = order.unsqueeze(2).expand(-1, -1, R, -1)
+    ub_o, lse_o = ub.gather(-1, idx), lse_all.gather(-1, idx)
+    # suffix log-sum-exp of the bounds from position p on; totals after scoring p blocks
+    suf = torch.cat([ub_o.flip(-1).logcumsumexp(-1).flip(-1), torch.full_like(ub_o[..., :1], float("-inf"))], -1)
+    tot = torch.cat([lse_res.unsqueeze(-1), torch.logaddexp(lse_res.unsqueeze(-1), lse_o.logcumsumexp(-1))], -1)
+    tol = policy.coarse_tol
+    log_tol = torch.tensor(tol).log() if tol > 0 else torch.tensor(float("-inf"))
+    done = (suf <= log_tol + tot).all(2)  # [B,H,n+1]: the walk stops before position p
+    nonempty = torch.isfinite(ub_o.amax(2))  # [B,H,n]
+    done[..., :n] |= ~nonempty
+    done[..., n] = True
+    stop = done.float().argmax(-1)  # first p where the walk stops
+    scored_o = torch.arange(n, device=qrot.device) < stop.unsqueeze(-1)  # [B,H,n] in walk order
+    scored = torch.zeros_like(scored_o).scatter(-1, order, scored_o)
+    lse = lse_all.masked_fill(~scored.unsqueeze(2), float("-inf"))
+    ends = torch.arange(n, device=qrot.device)
+    forced = (ends[None, :] >= forced_from[:, None])[None, None] & nonempty_blocks(fields).unsqueeze(2)
+    keep = select_offloaded(lse, lse_res, policy, forced)
+    return keep | forced, lse, stop.reshape(B * H)
+
+
+def nonempty_blocks(fields: dict[str, torch.Tensor]) -> torch.Tensor:
+    """bool ``[B, 1, n]``: blocks holding a valid token."""
+    return fields["valid"].any(-1)
+
+
+def attend_blocks_torch(
+    rows: torch.Tensor,
+    keep: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    valid: torch.Tensor,
+    out_prev: torch.Tensor,
+    lse_prev: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`kvtier.kernels.offload_cpu.offload_attend` over dense blocks ``k, v
+    [B,H,n,T,D]`` (``keep [B,H,R,n]``, ``valid [B,1,n,T]``): exact attention over the kept blocks'
+    valid tokens merged with ``(out_prev, lse_prev)`` -> ``(out [B,H,R,D], lse [B,H,R])``."""
+    B, H, n, T, D = k.shape
+    R = rows.shape[2]
+    allowed = (keep.unsqueeze(-1) & valid.unsqueeze(2)).reshape(B, H, R, n * T)
+    part = exact_partial(rows, k.reshape(B, H, n * T, D).float(), v.reshape(B, H, n * T, D).float(), allowed)
+    prev = Partial(out_prev, lse_prev)
+    lse = torch.logaddexp(prev.lse, part.lse)
+    return merge([prev, part]), lse
+
+
+def kernel_path(tier: OffloadTier, chunk: ChunkPlan) -> bool:
+    """Whether this call takes the C++ two-level path: few rows on the CPU (the plan's
+    ``sketch_kernel``), exact records and the kernels built."""
+    if not chunk.sketch_kernel or tier.layout.bits is not None or "k_amax" not in tier.fields:
+        return False
+    from ..kernels import offload_cpu
+
+    return tier.layout.dtype in offload_cpu.DTYPES and offload_cpu.available()
+
+
+def _attend_kernel(
+    tier: OffloadTier,
+    rows: torch.Tensor,
+    row_pos: torch.Tensor,
+    out_res: torch.Tensor,
+    lse_res: torch.Tensor,
+    start: int,
+) -> torch.Tensor:
+    """The C++ path of :func:`_attend` for the cold tier: select (or reuse), attend in place,
+    merge with the resident part (``out_res [B,H,R,D]``, ``lse_res [B,H,R]``). Returns ``out [B,H,R,D]``."""
+    from ..kernels import offload_cpu
+
+    policy = tier.policy
+    T = tier.block_tokens
+    B, H, R, D = rows.shape
+    fields = tier.fields
+    n = tier.nblocks
+    tier.stats.blocks_total += B * H * n
+    keep = tier.reused_selection(B, H, R)
+    if keep is None:
+        if policy.local_window:
+            forced_from = torch.div(row_pos - policy.local_window - start, T, rounding_mode="floor").clamp(min=0)
+        else:
+            forced_from = torch.full((R,), n, dtype=torch.long)
+        if policy.unlimited:
+            keep = nonempty_blocks(fields).unsqueeze(2).expand(B, H, R, n).contiguous()
+            scores, scored = torch.zeros(keep.shape).masked_fill(~keep, float("-inf")), 0
+        else:
+            keep, scores, counts = offload_cpu.offload_select(
+                query_rows(rows, tier.sketch),
+                fields,
+                fields["k_amax"],
+                lse_res,
+                forced_from,
+                policy.mass,
+                policy.min_blocks,
+                policy.max_blocks,
+                policy.coarse_tol,
+            )
+            scored = int(counts.sum())
+        tier.remember_selection(keep, scored)
+        if tier.prefetch_enabled:
+            tier.observe(keep, scores)
+    valid = fields["valid"]
+    if tier.in_place:
+        kptr, vptr = tier.record_addresses()
+        out, lse, _ = offload_cpu.offload_attend(rows, keep, kptr, vptr, valid, T, tier.layout.dtype, out_res, lse_res)
+        union = int(keep.any(2).sum())
+        tier.stats.needed += union
+        tier.stats.in_place += union
+    else:
+        out, lse = out_res, lse_res
+        for blocks, k, v in tier.gather(keep.any(2)):
+            kptr, vptr = _source_addresses(blocks, k, v, n)
+            out, lse, _ = offload_cpu.offload_attend(rows, keep, kptr, vptr, valid, T, k.dtype, out, lse)
+    if tier.measure_skipped:
+        tier.measure(rows, keep, lse_res)
+    return out
+
+
+def _source_addresses(blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int):
+    """Address tables ``[B,H,n]`` of a gathered source (``blocks [B,H,kk]``, ``k, v [B,H,kk,T,D]``,
+    each block's ``[T, D]`` contiguous); blocks not in the source get 0."""
+    B, H, kk = blocks.shape
+    present = blocks >= 0
+    idx = torch.where(present, blocks, torch.full_like(blocks, n))
+    out = []
+    for t in (k, v):
+        assert t.stride(-1) == 1 and t.stride(-2) == t.shape[-1], "a block's [T, D] must be contiguous"
+        b = torch.arange(B).view(B, 1, 1) * t.stride(0)
+        h = torch.arange(H).view(1, H, 1) * t.stride(1)
+        i = torch.arange(kk).view(1, 1, kk) * t.stride(2)
+        addr = (b + h + i) * t.element_size() + t.data_ptr()
+        table = torch.zeros(B, H, n + 1, dtype=torch.long)
+        table.scatter_(-1, idx, torch.where(present, addr, torch.zeros_like(addr)))
+        out.append(table[..., :n])
+    return out[0], out[1]
+
+
 def _attend(
     layer: LayerState, query: torch.Tensor, q_pos: torch.Tensor, padding, scaling: float, chunk: ChunkPlan
 ) -> torch.Tensor:
@@ -106,13 +283,28 @@ def _attend(
     rows = to_rows(query, H, scaling)
     tier = layer.cold
     parts: list[Partial] = []
-    if layer.sinks.k is not None:
+    fast = (
+        tier.nblocks and kernel_path(tier, chunk) and fused_cpu.available() and not (layer.warm and layer.warm.nblocks)
+    )
+    if layer.sinks.k is not None and not fast:
         parts.append(chunk.exact.exact(rows, layer.sinks.k, layer.sinks.v, layer.sinks.valid()[:, None, None, :]))
     if layer.warm is not None and layer.warm.nblocks:
         warm = layer.warm
         parts.append(chunk.backend(warm.codec).tier(rows, warm.fields, warm.codec, D))
     hk, hv = layer.hot.view()
+    if fast:
+        # sinks and hot in one fused call, then the cold tier: two more C++ calls
+        exact = [] if layer.sinks.k is None else [(layer.sinks.k, layer.sinks.v, layer.sinks.valid()[:, None, :])]
+        if padding is None and q == 1 and int(q_pos[0]) == layer.seen - 1:  # the last token: nothing masked
+            allowed = torch.ones(1, 1, hk.shape[2], dtype=torch.bool)
+        else:
+            allowed = hot_rows_allowed(layer, q_pos, padding, Hq // H)[:, 0]
+        out, lse, _ = fused_cpu.layer_attention(rows, [*exact, (hk, hv, allowed)], [])
+        return from_rows(_attend_kernel(tier, rows, q_pos.repeat(Hq // H), out, lse, layer.evicted), Hq, q)
     parts.append(chunk.exact.exact(rows, hk, hv, hot_rows_allowed(layer, q_pos, padding, Hq // H)))
+    if tier.nblocks and kernel_path(tier, chunk):
+        lse_res = torch.stack([p.lse for p in parts]).logsumexp(0)
+        return from_rows(_attend_kernel(tier, rows, q_pos.repeat(Hq // H), merge(parts), lse_res, layer.evicted), Hq, q)
     if tier.nblocks:
         parts += _cold_partials(tier, rows, q_pos.repeat(Hq // H), parts, layer.evicted, chunk.sketch_kernel)
     return from_rows(merge(parts), Hq, q)

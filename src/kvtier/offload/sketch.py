@@ -10,7 +10,8 @@ After a fixed randomized Hadamard rotation (QuaRot https://arxiv.org/abs/2404.00
 :class:`~kvtier.cache.codecs.SignCodec`), and ``alpha_t`` a per-token factor, the least-squares fit
 ``sum_c |d_c| scale_c / sum_c scale_c^2``. The per-token factor keeps a key's magnitude: an
 outlier key (a token the model will retrieve) scores as high as it should, where a sign code with
-only per-channel scales flattens it. Cost: ``D / 8 + 2`` bytes per token and ``4 D`` per block.
+only per-channel scales flattens it. Cost: ``D / 8 + 2`` bytes per token and ``4 D + 2`` per block (with the
+block's largest ``alpha_t``).
 
 A query row scores every sketched token, ``s = q . k_hat``, and a block's log-sum-exp of those
 scores estimates the log of the softmax mass the block would get; this chooses the blocks to
@@ -53,7 +54,8 @@ class KeySketch:
         Returns
         -------
         ``k_signs`` uint8 ``[B,H,n,T,ceil(D/8)]``, ``k_scale, k_mean`` fp16 ``[B,H,n,1,D]``,
-        ``k_alpha`` fp16 ``[B,H,n,T]`` (0 for invalid tokens).
+        ``k_alpha`` fp16 ``[B,H,n,T]`` (0 for invalid tokens), ``k_amax`` fp16 ``[B,H,n]`` the
+        largest ``k_alpha`` of each block (for the coarse bound of :mod:`kvtier.kernels.offload_cpu`).
         """
         D = k.shape[-1]
         kf = k.float() @ rotation(D, k.device) if self.rotate else k.float()
@@ -63,14 +65,22 @@ class KeySketch:
         dev = (kf - mean.float()).abs()
         alpha = (dev * s).sum(-1) / (s * s).sum(-1).clamp_min(1e-30)
         alpha = torch.where(valid.expand_as(alpha), alpha, torch.zeros_like(alpha))
-        return {"k_signs": pack_bits(signs, 1), "k_scale": scale, "k_mean": mean, "k_alpha": alpha.half()}
+        alpha = alpha.half()
+        return {
+            "k_signs": pack_bits(signs, 1),
+            "k_scale": scale,
+            "k_mean": mean,
+            "k_alpha": alpha,
+            "k_amax": alpha.amax(-1),
+        }
 
     def nbytes(self, B: int, H: int, n: int, T: int, D: int) -> int:
         """Bytes of the sketch fields (validity not included)."""
-        return B * H * n * T * (packed_size(D, 1) + _FP16) + 2 * _FP16 * B * H * n * D
+        return B * H * n * T * (packed_size(D, 1) + _FP16) + 2 * _FP16 * B * H * n * D + _FP16 * B * H * n
 
 
-def _query(rows: torch.Tensor, sketch: KeySketch) -> torch.Tensor:
+def query_rows(rows: torch.Tensor, sketch: KeySketch) -> torch.Tensor:
+    """Query rows in the sketch's coordinates (rotated when the sketch is)."""
     return rows @ rotation(rows.shape[-1], rows.device) if sketch.rotate else rows
 
 
@@ -80,7 +90,7 @@ def token_scores(rows: torch.Tensor, fields: dict[str, torch.Tensor], sketch: Ke
     ``q . k_hat = q . mean + alpha_t (2 w . b - w . 1)`` with ``w = q * scale``.
     """
     D = rows.shape[-1]
-    q = _query(rows, sketch).unsqueeze(2)  # [B,H,1,R,D]
+    q = query_rows(rows, sketch).unsqueeze(2)  # [B,H,1,R,D]
     bias = (q * fields["k_mean"].float()).sum(-1, keepdim=True)  # [B,H,n,R,1]
     w = q * fields["k_scale"].float()  # [B,H,n,R,D]
     bits = unpack_bits(fields["k_signs"], 1, D).to(w.dtype)  # [B,H,n,T,D]
@@ -113,7 +123,7 @@ def block_lse(
     from ..kernels import sketch_cpu
 
     return sketch_cpu.sketch_block_lse(
-        _query(rows, sketch),
+        query_rows(rows, sketch),
         fields["k_signs"],
         fields["k_scale"].float().squeeze(3),
         fields["k_mean"].float().squeeze(3),

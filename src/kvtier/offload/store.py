@@ -181,6 +181,7 @@ class BlockStore(NotCopyable):
         self._free: list[int] = []  # heap of free ids below capacity
         self._live = bytearray()  # 1 where a record is allocated
         self.capacity = 0
+        self.version = 0  # bumped whenever slabs are added or released (record addresses change)
         self._finalizer = weakref.finalize(self, _close_maps, self._maps, self._paths)
 
     # --- bookkeeping ------------------------------------------------------------------------
@@ -216,6 +217,7 @@ class BlockStore(NotCopyable):
         heapq.heapify(self._free)
         self._live.extend(bytes(size))
         self.capacity += size
+        self.version += 1
 
     def _release_slabs(self, keep: int) -> None:
         """Drop the slabs after the first ``keep`` (all their records free), deleting their files:
@@ -242,6 +244,7 @@ class BlockStore(NotCopyable):
         heapq.heapify(self._free)
         del self._live[cap:]
         self.capacity = cap
+        self.version += 1
 
     def trim(self) -> None:
         """Release trailing slabs that hold no live record (their files too): a store whose
@@ -374,6 +377,23 @@ class BlockStore(NotCopyable):
             finally:
                 os.close(fd)
 
+    def addresses(self, ids: torch.Tensor) -> torch.Tensor:
+        """``"cpu"`` backend: the memory address of each record ``ids`` (int64, any shape; ``-1``
+        gives 0), for kernels that read records where they lie. Valid until the store grows,
+        shrinks or closes; the ids must be allocated (not checked here: callers pass ids of their
+        block table)."""
+        if self.backend != "cpu":
+            raise OffloadError(f"the {self.backend} store {self.name!r} has no stable record addresses")
+        self._check_open()
+        if not self._starts:
+            return torch.zeros_like(ids)
+        starts = torch.tensor(self._starts, dtype=torch.long)
+        bases = torch.tensor([t.data_ptr() for t in self._slabs], dtype=torch.long)
+        flat = ids.reshape(-1)
+        slab = torch.searchsorted(starts, flat.clamp(min=0), right=True) - 1
+        addr = bases[slab] + (flat - starts[slab]) * self.record_bytes
+        return torch.where(flat >= 0, addr, torch.zeros_like(addr)).reshape(ids.shape)
+
     # --- data -------------------------------------------------------------------------------
     def write(self, ids: torch.Tensor, data: torch.Tensor) -> None:
         """Write records: ``ids`` int64 ``[n]`` (allocated), ``data`` uint8 ``[n, record_bytes]``."""
@@ -457,6 +477,7 @@ class BlockStore(NotCopyable):
         self._starts.clear()
         self._crc = None
         self.capacity = 0
+        self.version += 1
 
     @property
     def closed(self) -> bool:

@@ -82,7 +82,12 @@ class OffloadTier(NotCopyable):
         self._pending: Future | None = None
         # (blocks [B,H,k], k, v [B,H,k,T,D] on the device, listed bool [B,H,n], used bool [B,H,n])
         self._staged: tuple | None = None
+        self._selection: tuple[torch.Tensor, int] | None = None  # (keep [B,H,R,n'], steps reused)
+        self._addresses: tuple | None = None  # (table, store version, kptr, vptr): see record_addresses
         self.stats = OffloadStats()
+        #: Diagnostic (benchmarks): measure the exact mass of the blocks each row skipped, reading
+        #: every block of the tier at every call (slow). Counted in ``stats.skipped_*``.
+        self.measure_skipped = False
         offloader.register(self)
 
     # --- tier interface (as BlockTier) ------------------------------------------------------
@@ -125,6 +130,7 @@ class OffloadTier(NotCopyable):
     def restore(self, state: tuple) -> None:
         self.drop_staging()
         self.predicted, self._observed = state
+        self._selection = None
 
     def truncate(self, n: int) -> None:
         """Keep the oldest ``n`` blocks and free the records of the others (undoes a :meth:`push`)."""
@@ -139,6 +145,7 @@ class OffloadTier(NotCopyable):
             self.fields = {name: t[:, :, :n].clone() for name, t in self.fields.items()}
             self.table = self.table[:, :, :n].clone()
         self.predicted = None
+        self._selection = None
         self.release({"table": gone})
         self.store.trim()
 
@@ -155,6 +162,7 @@ class OffloadTier(NotCopyable):
             self.fields = {name: t[:, :, n:].clone() for name, t in self.fields.items()}
             self.table = self.table[:, :, n:].clone()
         self.predicted = None
+        self._selection = None
         return old
 
     def put_front(self, old: dict[str, torch.Tensor]) -> None:
@@ -170,6 +178,7 @@ class OffloadTier(NotCopyable):
             self.fields = {name: torch.cat([old[name], t], dim=2) for name, t in self.fields.items()}
             self.table = torch.cat([table, self.table], dim=2)
         self.predicted = None
+        self._selection = None
 
     def release(self, old: dict[str, torch.Tensor]) -> None:
         """Free the records of blocks that left the tier (``old["table"]``), unless still referenced."""
@@ -188,6 +197,7 @@ class OffloadTier(NotCopyable):
         self.table = old.index_select(0, index.to(old.device))
         if self.predicted is not None:
             self.predicted = self.predicted.index_select(0, index.to(self.predicted.device))
+        self._selection = None
         before, after = old.unique(), self.table.unique()
         self.store.free(before[~torch.isin(before, after)])
 
@@ -201,9 +211,14 @@ class OffloadTier(NotCopyable):
         return k, v, self.fields["valid"].reshape(B, -1)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Resident tensors: sketches, validity, block table, prediction, store checksums."""
+        """Resident tensors: sketches, validity, block table, prediction, kept selection, record
+        addresses, store checksums."""
         out = list(self.fields.values())
         out += [t for t in (self.table, self.predicted) if t is not None]
+        if self._selection is not None:  # the selection kept for reuse and the address cache
+            out.append(self._selection[0])
+        if self._addresses is not None:
+            out += list(self._addresses[2:])
         return out + self.store.tensors()
 
     def staging_tensors(self) -> list[torch.Tensor]:
@@ -218,6 +233,7 @@ class OffloadTier(NotCopyable):
         self.drop_staging()
         self.store.close()
         self.fields, self.table, self.predicted = {}, None, None
+        self._selection = None
         self.offloader.unregister(self)
 
     # --- fetching -----------------------------------------------------------------------------
@@ -302,6 +318,74 @@ class OffloadTier(NotCopyable):
         st.misses += n_miss
         st.stall_s += stall
         return sources
+
+    # --- selection reuse and diagnostics --------------------------------------------------------
+    @property
+    def in_place(self) -> bool:
+        """Attention reads records where they lie: a host-RAM store without prefetch staging."""
+        return self.store.backend == "cpu" and self.device.type == "cpu" and not self.prefetch_enabled
+
+    def record_addresses(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``"cpu"`` store: addresses of every block's keys and values, int64 ``[B, H, n]`` (exact
+        records: keys ``[T, D]`` then values), cached until the block table or the store changes."""
+        cached = self._addresses
+        if cached is not None and cached[0] is self.table and cached[1] == self.store.version:
+            return cached[2], cached[3]
+        assert self.table is not None and self.layout.bits is None
+        kptr = self.store.addresses(self.table)
+        vptr = torch.where(kptr != 0, kptr + self.block_tokens * self.head_dim * self.layout.dtype.itemsize, kptr)
+        self._addresses = (self.table, self.store.version, kptr, vptr)
+        return kptr, vptr
+
+    def _padded(self, keep: torch.Tensor) -> torch.Tensor:
+        """A selection ``[B,H,R,n']`` of fewer blocks extended to the tier's ``n``: blocks offloaded
+        since (attended exactly in the hot window at that step) are kept when they hold real tokens."""
+        B, H, R, old = keep.shape
+        n = self.nblocks
+        if old == n:
+            return keep
+        new = self.fields["valid"][:, :, old:].any(-1).unsqueeze(2).expand(B, H, R, n - old)
+        return torch.cat([keep, new], dim=-1)
+
+    def reused_selection(self, B: int, H: int, R: int) -> torch.Tensor | None:
+        """The previous selection, extended to blocks offloaded since, when this call may reuse it
+        (``policy.reuse_steps``; the same batch, heads and rows); else None."""
+        if self.policy.reuse_steps <= 1 or self._selection is None:
+            return None
+        keep, age = self._selection
+        if age + 1 >= self.policy.reuse_steps or keep.shape[:3] != (B, H, R) or keep.shape[3] > self.nblocks:
+            return None
+        keep = self._padded(keep)
+        self._selection = (keep, age + 1)
+        self.stats.reused += 1
+        return keep
+
+    def remember_selection(self, keep: torch.Tensor, scored: int) -> None:
+        """A fresh selection ``keep [B,H,R,n]`` (``scored`` blocks scored from sketches): counts
+        how much of it the previous selection (reused or not) already held, and keeps it."""
+        st = self.stats
+        st.blocks_scored += scored
+        if self._selection is not None:
+            prev = self._selection[0]
+            if prev.shape[:3] == keep.shape[:3] and prev.shape[3] <= keep.shape[3]:
+                union, before = keep.any(2), self._padded(prev).any(2)
+                st.reuse_needed += int(union.sum())
+                st.reuse_hits += int((union & before).sum())
+        self._selection = (keep, 0)
+
+    def measure(self, rows: torch.Tensor, keep: torch.Tensor, lse_res: torch.Tensor) -> None:
+        """Diagnostic: the exact softmax mass of the cold blocks each row of ``rows [B,H,R,D]`` did
+        not attend (``keep [B,H,R,n]``), relative to the row's total with the resident tokens
+        (``lse_res [B,H,R]``), added to ``stats.skipped_*``."""
+        B, H, R, D = rows.shape
+        k, _, valid = self.dense(torch.float32)  # [B,H,N,D], valid [B,N]
+        scores = (rows @ k.transpose(-1, -2)).masked_fill(~valid[:, None, None, :], float("-inf"))
+        tok = keep.repeat_interleave(self.block_tokens, dim=-1)  # [B,H,R,N]
+        total = torch.logaddexp(lse_res, scores.logsumexp(-1))
+        skipped = torch.exp(scores.masked_fill(tok, float("-inf")).logsumexp(-1) - total)
+        self.stats.skipped_mass += float(skipped.sum())
+        self.stats.skipped_rows += skipped.numel()
+        self.stats.skipped_max = max(self.stats.skipped_max, float(skipped.max()))
 
     # --- prefetch -----------------------------------------------------------------------------
     @property
