@@ -238,7 +238,7 @@ class AdaptivePolicy:
     widths: tuple[int, ...] = (1, 2, 3, 4)
     meta: str = "fp8"
     warmup_tokens: int = 512
-    fit_tokens: int = 4096
+    fit_tokens: int = 8192
 
     def __post_init__(self) -> None:
         _check(

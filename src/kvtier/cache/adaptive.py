@@ -135,7 +135,7 @@ def allocate(
                 continue
             drop = errors[layer].distortion(side, widths[i]) - errors[layer].distortion(side, widths[i + 1])
             gain = drop / cost
-            if best is None or gain > best_gain:
+            if gain > best_gain:  # a step that buys nothing measured is not taken
                 best, best_gain = (layer, side), gain
         if best is None:
             break
@@ -188,8 +188,12 @@ class Budget:
         return self.widths is not None
 
     def measuring(self, seen: int) -> bool:
-        """True while the warm-up lasts (blocks entering warm are measured, nothing goes cold)."""
-        return self.widths is None and seen < self.adaptive.warmup_tokens
+        """True while the warm-up lasts (blocks entering warm are measured, nothing goes cold): until
+        ``warmup_tokens`` are seen and every layer of the budget has measured a block."""
+        if self.widths is not None:
+            return False
+        observed = sum(e.tokens > 0 for e in self.errors.values())
+        return seen < self.adaptive.warmup_tokens or observed < self.layers
 
     def cold_codec(self, layer_idx: int) -> MixedCodec:
         """The layer's cold codec (allocating first if needed)."""
@@ -235,17 +239,29 @@ class Budget:
         assert s is not None
         return {w: float(s.batch * s.heads * packed_size(s.dim, w)) for w in self.adaptive.widths}
 
+    def code_budget(self) -> float:
+        """Code bytes per token slot, all layers, that ``bits`` leaves at ``fit_tokens`` with no warm window."""
+        assert self.shape is not None and self.policy.hot_tokens is not None
+        fit = self.adaptive.fit_tokens
+        slots = max(1, fit - self.policy.hot_tokens)
+        meta_rate, _ = self._fixed_rates()
+        return (self.budget_bytes(fit) - self.exact_bytes()) / slots - meta_rate
+
     def allocate(self) -> dict[int, tuple[int, int]]:
         """Choose the cold widths from what was measured (see :func:`allocate`); idempotent."""
         if self.widths is not None:
             return self.widths
-        assert self.shape is not None
-        fit = self.adaptive.fit_tokens
-        slots = max(1, fit - self.policy.hot_tokens)
-        meta_rate, _ = self._fixed_rates()
-        code_budget = (self.budget_bytes(fit) - self.exact_bytes()) / slots - meta_rate
-        self.widths = allocate(self.errors, self.adaptive.widths, self.code_bytes(), code_budget)
+        self.widths = allocate(self.errors, self.adaptive.widths, self.code_bytes(), self.code_budget())
         return self.widths
+
+    def planned_rates(self) -> tuple[float, float]:
+        """``(cold, warm)`` bytes per token slot, all layers, as priced before a run (``kvtier plan``):
+        the cold codes at the allocation's budget (which the greedy rule spends to within one width
+        step), bounded by the narrowest and widest candidates."""
+        meta_rate, warm_rate = self._fixed_rates()
+        cb = self.code_bytes()
+        lo, hi = 2 * cb[self.adaptive.widths[0]] * self.layers, 2 * cb[self.adaptive.widths[-1]] * self.layers
+        return min(max(self.code_budget(), lo), hi) + meta_rate, warm_rate
 
     def rates(self) -> tuple[float, float]:
         """``(cold, warm)`` bytes per token slot, all layers, once allocated."""
@@ -258,14 +274,19 @@ class Budget:
             self._rates = (codes + meta_rate, warm_rate, 0.0)
         return self._rates[0], self._rates[1]
 
-    def warm_blocks(self, seen: int, blocks: int) -> float:
+    def warm_blocks(self, seen: int, blocks: int, planned: bool = False) -> float:
         """How many of a layer's ``blocks`` block-tier blocks may be warm at length ``seen``: the
         most that keeps every layer's bytes (each layer holding the same counts) within the budget;
-        unbounded during the warm-up."""
-        if self.measuring(seen):
-            return float("inf")
-        self.allocate()
-        cold, warm = self.rates()
+        unbounded during the warm-up. ``planned``: priced with :meth:`planned_rates` (no run)."""
+        if planned:
+            if seen < self.adaptive.warmup_tokens:
+                return float("inf")
+            cold, warm = self.planned_rates()
+        else:
+            if self.measuring(seen):
+                return float("inf")
+            self.allocate()
+            cold, warm = self.rates()
         T = self.policy.block_tokens
         room = self.budget_bytes(seen) - self.exact_bytes() - blocks * T * cold
         step = T * (warm - cold)
