@@ -164,7 +164,8 @@ def test_allocate_greedy_spends_where_error_drops_most():
     assert allocate(errors, widths, code, budget=5.0) == {0: (2, 1), 1: (1, 1)}
     assert allocate(errors, widths, code, budget=6.0) == {0: (3, 1), 1: (1, 1)}
     assert allocate(errors, widths, code, budget=7.0) == {0: (3, 1), 1: (2, 1)}
-    assert allocate(errors, widths, code, budget=100.0) == {0: (3, 3), 1: (3, 3)}
+    # room for everything, but layer 1's values gain nothing from 3 bits: that step is not taken
+    assert allocate(errors, widths, code, budget=100.0) == {0: (3, 3), 1: (3, 2)}
 
 
 # --- the budget while streaming ------------------------------------------------------------------
