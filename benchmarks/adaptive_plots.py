@@ -1,6 +1,6 @@
 """Results and plots of the adaptive-budget runs (``benchmarks/adaptive_ppl.py``).
 
-Converts ``benchmarks/results/adaptive-{4k,8k}.json`` into kvtier's results schema
+Converts ``benchmarks/results/adaptive-4k.json`` and ``adaptive-8k-v2.json`` into kvtier's results schema
 (``ppl-{4k,8k}-adaptive.json`` and ``fidelity-...``, which ``kvtier report`` reads), draws the Pareto
 plot (Δppl vs KV bytes per token) of the adaptive cache next to every preset and baseline measured
 on the same windows earlier (the full cache's perplexity is the same in every run: 30.270 / 25.665
@@ -32,12 +32,13 @@ EARLIER = {
     ],
 }
 LAYERS = 30
+SOURCES = {4096: "adaptive-4k.json", 8192: "adaptive-8k-v2.json"}  # the shipped (v2) allocator
 
 
 def main() -> None:
     summary = {}
     for L, tag in ((4096, "4k"), (8192, "8k")):
-        src = RES / f"adaptive-{tag}.json"
+        src = RES / SOURCES[L]
         if not src.exists():
             continue
         doc = json.loads(src.read_text())
