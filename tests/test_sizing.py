@@ -52,9 +52,12 @@ def test_plan_matches_memory_report(policy, seq, batch):
     shape = ModelShape("tiny", ["full_attention"] * 3, 2, 16)
     planned = estimate(shape, seq, policy, batch, torch.float32)
     assert planned.fp16_bytes == report.dense_fp16_bytes
-    assert abs(planned.total_bytes - report.total_bytes) <= 0.02 * report.total_bytes
+    # adaptive: cold codes are planned at the allocation's budget, which the greedy rule spends to
+    # within one width step (one more bit per element of one side of one layer: D / 8 bytes per head)
+    slack = 0 if kvtier.get_policy(policy).adaptive is None else report.tokens["cold"] // 3 * batch * 2 * 16 // 8
+    assert abs(planned.total_bytes - report.total_bytes) <= 0.02 * report.total_bytes + slack
     for tier, b in report.per_tier.items():
-        assert abs(planned.per_tier.get(tier, 0) - b) <= 0.02 * max(b, 1) + 16 * batch
+        assert abs(planned.per_tier.get(tier, 0) - b) <= 0.02 * max(b, 1) + 16 * batch + slack
 
 
 def test_plan_cli_json(capsys, tmp_path):

@@ -14,7 +14,7 @@ from typing import Any
 from .diagnostics import MemoryReport, memory_report
 from .errors import CacheFullError, KVTierError
 from .offload import OffloadError
-from .policy import PRESETS, OffloadPolicy, SparsePolicy, TierPolicy, get_policy
+from .policy import PRESETS, AdaptivePolicy, OffloadPolicy, SparsePolicy, TierPolicy, get_policy
 
 __version__ = "0.1.0"
 
@@ -27,6 +27,7 @@ __all__ = [
     "OffloadPolicy",
     "SparsePolicy",
     "TierPolicy",
+    "AdaptivePolicy",
     "TieredCache",
     "TieredLayer",
     "disable",

@@ -69,7 +69,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .sizing import capped_tokens, estimate, format_estimates, model_shape
 
     shape = model_shape(args.model)
-    names = list(PRESETS) if args.policy == "all" else [args.policy]
+    names: list[Any] = list(PRESETS) if args.policy == "all" else [args.policy]
+    if args.bits is not None:  # the adaptive policy at this budget (bits per element, everything included)
+        import dataclasses
+
+        from .policy import get_policy
+
+        adaptive = [n for n in names if get_policy(n).adaptive is not None]
+        if not adaptive:
+            raise ValueError(f"--bits prices an adaptive policy; --policy {args.policy} is not one")
+        for n in adaptive:
+            p = get_policy(n)
+            names[names.index(n)] = p.replace(
+                adaptive=dataclasses.replace(p.adaptive, bits=args.bits), name=f"{n}@{args.bits:g}"
+            )
     plans = [estimate(shape, args.seq_len, name, args.batch, args.dtype) for name in names]
     print(format_estimates(shape, plans))
     capped: dict[str, int] = {}
@@ -82,7 +95,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             verdict = "fits" if p.total_bytes <= args.max_bytes else "on_full='error' raises, 'evict' keeps ~this many"
             print(f"{p.policy:<16}{capped[p.policy]:>12,}  {verdict} at --seq-len {args.seq_len:,}")
     if args.json:
-        chosen = plans[0] if args.policy != "all" else plans[names.index("default")]
+        chosen = plans[0] if args.policy != "all" else plans[list(PRESETS).index("default")]
         out: dict[str, Any] = {
             "model": shape.name,
             "seq_len": args.seq_len,
@@ -397,6 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", type=_dtype, default=torch.float16, help="model dtype (default float16)")
     p.add_argument(
         "--max-bytes", type=_bytes, default=None, help="a byte cap (e.g. 9G, 512M, 1000000): tokens that fit under it"
+    )
+    p.add_argument(
+        "--bits", type=float, default=None, help="budget of the adaptive policy in bits per K/V element (e.g. 2.5)"
     )
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     p.set_defaults(fn=cmd_plan)

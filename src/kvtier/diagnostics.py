@@ -79,7 +79,9 @@ class MemoryReport:
     seq_len : tokens seen (the longest layer).
     tokens : token slots per tier, summed over layers.
     per_tier : bytes per tier, summed over layers.
-    per_layer : one dict per layer: ``bytes`` and ``tokens`` by tier, ``dense_fp16_bytes``.
+    per_layer : one dict per layer: ``bytes`` and ``tokens`` by tier, ``dense_fp16_bytes``, and for a
+        tiered layer ``widths``: the code widths ``[key bits, value bits]`` of its warm and cold
+        tiers (None for a tier without codes; 16 for exact ones), from newest to oldest.
     """
 
     total_bytes: int
@@ -100,6 +102,27 @@ class MemoryReport:
     def resident_ratio(self) -> float:
         """``resident_bytes / dense_fp16_bytes``."""
         return self.resident_bytes / self.dense_fp16_bytes if self.dense_fp16_bytes else float("nan")
+
+    def allocation(self) -> str:
+        """A table of the bits held per layer, keys vs values, by age (hot/sinks exact, warm, cold),
+        with each tier's token slots and bytes per element (metadata included)."""
+        lines = [f"{'layer':>5}  {'warm K/V bits':>13} {'slots':>6}  {'cold K/V bits':>13} {'slots':>6}  bits/elt"]
+        for d in self.per_layer:
+            w = d.get("widths")
+            if not w:
+                continue
+            tok, nb = d["tokens"], d["bytes"]
+
+            def kv(x):
+                return "-" if x is None else f"{x[0]}/{x[1]}"
+
+            elts = 2 * d["dense_fp16_bytes"] / 4  # K and V elements held for the layer's tokens
+            bits = 8 * sum(nb.values()) / elts if elts else float("nan")
+            lines.append(
+                f"{d['layer']:>5}  {kv(w.get('warm')):>13} {tok.get('warm', 0):>6}  {kv(w.get('cold')):>13} "
+                f"{tok.get('cold', 0):>6}  {bits:8.3f}"
+            )
+        return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -165,9 +188,13 @@ def memory_report(cache: Any) -> MemoryReport:
         for tier, c in counts.items():
             tokens[tier] += c
         all_tensors.extend(t for ts in groups.values() for t in ts)
-        per_layer.append(
-            {"layer": idx, "bytes": nbytes, "tokens": counts, "dense_fp16_bytes": _layer_dense_fp16(layer)}
-        )
+        entry = {"layer": idx, "bytes": nbytes, "tokens": counts, "dense_fp16_bytes": _layer_dense_fp16(layer)}
+        if isinstance(layer, LayerState):
+            entry["widths"] = {
+                name: None if t is None or not hasattr(t, "codec") else [t.codec.key_bits, t.codec.value_bits]
+                for name, t in (("warm", layer.warm), ("cold", layer.cold))
+            }
+        per_layer.append(entry)
     resident = tensor_bytes(all_tensors)
     return MemoryReport(
         total_bytes=resident + offloaded,

@@ -13,6 +13,12 @@ past generous upper bounds (``MAX_*``) are refused. Tokens of a sequence live in
   ``cold_bits`` group quantization (k-bit or ``"fp8"``), or ``"evict"`` (dropped, as in a sink + window cache).
 
 Tokens move hot -> warm -> cold a block at a time and are quantized once per move.
+A k-bit cold tier may give values their own width (``cold_value_bits``) and store its
+parameters in fp8 (``cold_meta="fp8"``). With ``adaptive`` (an :class:`AdaptivePolicy`, the
+``"adaptive"`` preset) the cache holds a byte budget instead: the cold widths of keys and values are
+chosen per layer from measured errors, and the warm window grows and shrinks with the budget (see
+:mod:`kvtier.cache.adaptive`).
+
 ``layer_overrides`` maps layer indices (negative ones count from the end) to another policy or a
 preset name, e.g. ``{0: "exact", -1: "exact"}``.
 """
@@ -26,6 +32,8 @@ from dataclasses import dataclass, field
 WARM_BITS = (2, 3, 4, 6, 8, "fp8")
 COLD_BITS = (2, 3, 4, 6, 8, "fp8")
 COLD_MODES = ("sign", "quant", "evict", "offload")
+COLD_META = ("fp16", "fp8")
+ADAPTIVE_WIDTHS = (1, 2, 3, 4)
 OFFLOAD_BACKENDS = ("cpu", "disk")
 STORE_BITS = (None, 8, 4)
 SPARSE_METHODS = ("topk", "quantile", "mass", "bound")
@@ -213,6 +221,61 @@ class OffloadPolicy:
         return self.mass is None and self.max_blocks is None
 
 
+@dataclass(frozen=True)
+class AdaptivePolicy:
+    """A byte budget instead of fixed widths: ``TieredCache(config, policy="adaptive", bits=2.5)``.
+
+    The cache keeps its stored bits per K/V element - every tensor it holds, metadata, sinks and
+    the hot ring included - at most ``bits`` once the context is past a short warm-up. How (see
+    :mod:`kvtier.cache.adaptive`):
+
+    * the first ``warmup_tokens`` tokens stay in the warm tier while every block that enters it is
+      also coded at each candidate width (keys and values apart) and its error measured, weighted
+      by what attention does with it (keys: the score error under the layer's observed queries,
+      times the spread of the values; values: their own error);
+    * then the cold widths of keys and values are chosen per layer by a rate-distortion rule:
+      start every layer at the narrowest width and repeatedly widen the (layer, keys or values)
+      with the largest measured error reduction per byte while the average cold rate stays within
+      what ``bits`` leaves at ``fit_tokens`` tokens after the exact sinks and hot ring;
+    * from then on the warm window (``warm_bits``, recent tokens) is as long as the budget allows
+      at the current length: it grows with the context, and its oldest blocks step down to their
+      layer's cold widths when the budget is reached.
+
+    Attributes
+    ----------
+    bits : target average stored bits per K/V element (0.5 to 16).
+    widths : candidate code widths for cold keys and values (from 1, 2, 3, 4).
+    meta : storage of the cold tier's affine parameters, ``"fp8"`` (e4m3) or ``"fp16"``.
+    warmup_tokens : tokens seen before the allocation (a multiple of nothing; at least 1).
+    fit_tokens : the length at which the budget is met with no warm window; past it the warm
+        window takes the slack (a shorter one: a shorter warm-up, narrower cold widths).
+    """
+
+    bits: float = 2.5
+    widths: tuple[int, ...] = (1, 2, 3, 4)
+    meta: str = "fp8"
+    warmup_tokens: int = 512
+    fit_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.bits, (int, float)) and not isinstance(self.bits, bool) and 0.5 <= self.bits <= 16,
+            "bits",
+            self.bits,
+            "a number in [0.5, 16]",
+        )
+        _check(
+            isinstance(self.widths, tuple) and len(self.widths) > 0 and all(w in ADAPTIVE_WIDTHS for w in self.widths),
+            "widths",
+            self.widths,
+            f"a non-empty tuple of widths from {ADAPTIVE_WIDTHS}",
+        )
+        object.__setattr__(self, "widths", tuple(sorted(set(self.widths))))
+        _check_choice("meta", self.meta, COLD_META)
+        _check_count("warmup_tokens", self.warmup_tokens, allow_none=False, minimum=1, maximum=MAX_WINDOW)
+        _check_count("fit_tokens", self.fit_tokens, allow_none=False, minimum=1, maximum=MAX_WINDOW)
+
+
 class LayerOverrides(Mapping):
     """An immutable ``{layer index: TierPolicy or preset name}``: what ``TierPolicy.layer_overrides``
     holds once validated (hashable, picklable, equal to the dict with the same items)."""
@@ -256,7 +319,14 @@ class TierPolicy:
     sink_tokens : first real tokens of each row kept exact for good (at most 2**16).
     cold : ``"sign"`` (1-bit), ``"quant"`` (``cold_bits``-bit), ``"evict"``, or ``"offload"``
         (exact blocks in a block store, a 1-bit key sketch resident: see ``offload``).
-    cold_bits : bit width (or ``"fp8"``) when ``cold == "quant"``.
+    cold_bits : bit width (or ``"fp8"``) when ``cold == "quant"`` (the keys' width when
+        ``cold_value_bits`` is set).
+    cold_value_bits : the values' width of a k-bit cold tier (1, 2, 3, 4, 6 or 8), or None
+        (``cold_bits``).
+    cold_meta : storage of a k-bit cold tier's parameters: ``"fp16"`` (scale and zero) or ``"fp8"``
+        (e4m3 step and offset, half the bytes; :class:`~kvtier.cache.codecs.MixedCodec`).
+    adaptive : an :class:`AdaptivePolicy` (a byte budget; cold widths per layer chosen from
+        measured errors, a budget-driven warm window) or None. Needs ``cold="quant"``.
     cold_rotation : randomized Hadamard rotation of K and V before the cold code, the 1-bit sign
         or the ``cold_bits`` k-bit one (default: on; on SmolLM2 it cuts the perplexity cost of the
         seed's 1-bit cold tier from +8.5% to +3.9%).
@@ -286,6 +356,9 @@ class TierPolicy:
     layer_overrides: Mapping[int, TierPolicy | str] = field(default_factory=lambda: {0: "exact", -1: "exact"})
     name: str = "custom"
     offload: OffloadPolicy | None = None
+    cold_value_bits: int | None = None
+    cold_meta: str = "fp16"
+    adaptive: AdaptivePolicy | None = None
 
     def __post_init__(self) -> None:
         _check_count("hot_tokens", self.hot_tokens, allow_none=True, maximum=MAX_HOT_TOKENS)
@@ -313,6 +386,33 @@ class TierPolicy:
             "a SparsePolicy or None",
         )
         self._check_offload()
+        _check(
+            self.cold_value_bits is None
+            or (self.cold_value_bits in (1, 2, 3, 4, 6, 8) and _is_int(self.cold_value_bits)),
+            "cold_value_bits",
+            self.cold_value_bits,
+            "None or one of (1, 2, 3, 4, 6, 8)",
+        )
+        _check_choice("cold_meta", self.cold_meta, COLD_META)
+        mixed = self.cold_value_bits is not None or self.cold_meta != "fp16"
+        _check(
+            not mixed or (self.cold == "quant" and self.cold_bits != "fp8"),
+            "cold_value_bits",
+            self.cold_value_bits,
+            "None with cold_meta='fp16' unless cold='quant' with integer cold_bits",
+        )
+        _check(
+            self.adaptive is None or isinstance(self.adaptive, AdaptivePolicy),
+            "adaptive",
+            self.adaptive,
+            "an AdaptivePolicy or None",
+        )
+        _check(
+            self.adaptive is None or (self.cold == "quant" and self.hot_tokens is not None),
+            "adaptive",
+            self.adaptive,
+            "None unless cold='quant' with a hot window",
+        )
         if self.sparse is not None and self.hot_tokens is not None:
             fp8 = self.warm_bits == "fp8" or (self.cold == "quant" and self.cold_bits == "fp8")
             _check(not fp8, "sparse", self.sparse, "None with an fp8 tier (sparse selection reads affine codes only)")
@@ -483,11 +583,30 @@ def _offload_disk() -> TierPolicy:
     return _offload("disk")
 
 
+def _adaptive() -> TierPolicy:
+    # A byte budget (2.5 bits per element by default; TieredCache(..., bits=) sets it): cold widths per
+    # layer from measured errors, warm window from the budget (kvtier.cache.adaptive). Dense decode
+    # attention (the budget already removes what sparse attention would skip).
+    return _default().replace(
+        warm_tokens=None,
+        cold_bits=2,
+        cold_meta="fp8",
+        sparse=None,
+        adaptive=AdaptivePolicy(),
+        name="adaptive",
+    )
+
+
 PRESETS: dict[str, _Preset] = {
     "default": (
         "hot 64 + 32 sinks exact (fp16), 1,024 warm tokens 4-bit, older ones 3-bit after a Hadamard rotation; "
         "sparse decode attention (<= 2% of the mass dropped)",
         _default,
+    ),
+    "adaptive": (
+        "a byte budget (bits=2.5 per element, everything included): cold key and value widths per layer "
+        "from measured errors, 4-bit warm window as long as the budget allows",
+        _adaptive,
     ),
     "max-compression": ("hot 128 exact, warm 1,024 at 4 bits, cold 1-bit signs, 32 sinks", _max_compression),
     "chat": (

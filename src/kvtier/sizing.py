@@ -173,8 +173,12 @@ class Estimate:
         }
 
 
-def layer_estimate(policy: TierPolicy, n: int, B: int, H: int, D: int, dtype: torch.dtype) -> tuple[dict, dict]:
-    """Bytes and token slots per tier of one tiered layer after ``n`` tokens (no padding)."""
+def layer_estimate(
+    policy: TierPolicy, n: int, B: int, H: int, D: int, dtype: torch.dtype, budget: Any = None
+) -> tuple[dict, dict]:
+    """Bytes and token slots per tier of one tiered layer after ``n`` tokens (no padding); an
+    adaptive layer needs its cache's :class:`~kvtier.cache.adaptive.Budget` (``budget``): its warm
+    window follows the budget and its cold codes are priced at the budget's code rate."""
     elt = torch.empty((), dtype=storage_dtype(policy, dtype)).element_size()
     if policy.hot_tokens is None:
         return {"hot": 2 * B * H * n * D * elt}, {"hot": n}
@@ -185,6 +189,8 @@ def layer_estimate(policy: TierPolicy, n: int, B: int, H: int, D: int, dtype: to
     capacity = 0 if not n else bound if n >= bound else hot_capacity(n, bound)
     blocks = hot_start // T
     warm_cap = blocks if policy.warm_tokens is None else min(blocks, policy.warm_tokens // T)
+    if budget is not None:
+        warm_cap = int(min(warm_cap, budget.warm_blocks(n, blocks, planned=True)))
     cold_blocks = blocks - warm_cap
     warm_codec, cold_codec = make_codecs(policy, D)
     nbytes = {"sink": 0, "hot": 2 * B * H * capacity * D * elt, "warm": 0, "cold": 0}
@@ -198,6 +204,9 @@ def layer_estimate(policy: TierPolicy, n: int, B: int, H: int, D: int, dtype: to
         from .offload.tier import planned_bytes
 
         nbytes["cold"], nbytes["store"] = planned_bytes(policy, B, H, cold_blocks, D, storage_dtype(policy, dtype))
+        tokens["cold"] = cold_blocks * T
+    elif cold_blocks and budget is not None:
+        nbytes["cold"] = int(round(budget.planned_rates()[0] / budget.layers * cold_blocks * T))
         tokens["cold"] = cold_blocks * T
     elif cold_blocks:
         if cold_codec is None:
@@ -238,9 +247,20 @@ def estimate(
     per_tier = dict.fromkeys(TIERS, 0)
     tokens = dict.fromkeys(TOKEN_TIERS, 0)
     fp16 = 0
+    layer_policies = {
+        i: pol.for_layer(i, shape.num_layers) for i, kind in enumerate(shape.layer_types) if kind == "full_attention"
+    }
+    budgets: dict[TierPolicy, Any] = {}
+    for p in layer_policies.values():
+        if p.adaptive is not None and p not in budgets:
+            from .cache.adaptive import Budget
+
+            budgets[p] = Budget(p, sum(q == p for q in layer_policies.values()))
+            budgets[p].join(0, B, H, D, dtype)
     for i, kind in enumerate(shape.layer_types):
         if kind == "full_attention":
-            nbytes, toks = layer_estimate(pol.for_layer(i, shape.num_layers), n, B, H, D, dtype)
+            lp = layer_policies[i]
+            nbytes, toks = layer_estimate(lp, n, B, H, D, dtype, budgets.get(lp))
             for k, v in nbytes.items():
                 per_tier[k] += v
             for k, v in toks.items():

@@ -193,10 +193,10 @@ def packed_partial(
     q = rows.unsqueeze(2)  # [B,H,1,R,D]
     qa = _pad_channels(q * ka.unsqueeze(3), dim)  # [B,H,n,R,Dp]
     scores = (q * kb.unsqueeze(3)).sum(-1, keepdim=True)  # [B,H,n,R,1]
-    for weight, sl, sub in _subplanes(kc, codec.bits, dim):
+    for weight, sl, sub in _subplanes(kc, codec.key_bits, dim):
         scores = scores + weight * (qa[..., sl] @ sub.transpose(-1, -2))  # [B,H,n,R,T]
     p, lse = _block_softmax(scores, fields["valid"], block_mask, select)
-    out = (_weighted_codes(p, vc, codec.bits, va, dim) + _per_group(p, vb, dim)).sum(2)
+    out = (_weighted_codes(p, vc, codec.value_bits, va, dim) + _per_group(p, vb, dim)).sum(2)
     return Partial(out @ r.T if r is not None else out, lse)
 
 

@@ -124,7 +124,7 @@ class ChunkPlan:
 
     def backend(self, codec) -> Backend:
         """The backend of a packed tier with this codec."""
-        return self.packed if codec.AFFINE is not None else self.other
+        return self.packed if self.packed.reads(codec) else self.other
 
 
 @dataclass(frozen=True)

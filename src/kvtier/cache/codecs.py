@@ -9,7 +9,9 @@ planner and the cache's own report count the same bytes.
 The codec interface (what attention, kernels and the planner may rely on; see "Add a codec" in
 CONTRIBUTING.md):
 
-* ``name``, ``bits`` (code width, 1..8), ``rotate`` (codes of ``x @ rotation``), ``value_group``;
+* ``name``, ``bits`` (code width, 1..8), ``key_bits`` / ``value_bits`` (the widths of the key and
+  of the value codes; both ``bits`` except in :class:`MixedCodec`), ``rotate`` (codes of
+  ``x @ rotation``), ``value_group``;
 * ``encode(k, v, valid) -> fields``, ``decode_keys`` / ``decode_values`` / ``decode``, ``nbytes``;
 * ``AFFINE``: how every stored value follows from its code, ``x = a * code + b``, with ``(a, b)``
   read from the two metadata fields after the codes in ``KERNEL_FIELDS`` by one rule of
@@ -33,6 +35,7 @@ from ..quant import (
     dequantize_sign,
     pack_bits,
     packed_size,
+    quantize_ab,
     quantize_kbit,
     quantize_sign,
     rotation,
@@ -66,6 +69,8 @@ class AffineCodec:
     KERNEL_FIELDS: ClassVar[tuple[str, ...]]
     AFFINE: ClassVar[str | None]
     bits: int
+    key_bits: int  # widths of the key and value codes (properties or fields of each codec)
+    value_bits: int
     rotate: bool
 
     def affine(self, f: dict[str, torch.Tensor]):
@@ -80,7 +85,7 @@ class AffineCodec:
         when ``rotate``): codes span ``0 .. 2**bits - 1``."""
         _, k1, k2 = (f[name] for name in self.KERNEL_FIELDS[:3])
         a, b = affine_ab(self.AFFINE, k1.squeeze(3), k2.squeeze(3))
-        top = a * ((1 << self.bits) - 1) + b
+        top = a * ((1 << self.key_bits) - 1) + b
         return torch.minimum(b, top), torch.maximum(b, top)
 
 
@@ -101,6 +106,16 @@ class KBitCodec(AffineCodec):
     #: key codes, key scale, key zero, value codes, value scale, value zero (the kernels' order)
     KERNEL_FIELDS: ClassVar[tuple[str, ...]] = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
     AFFINE: ClassVar[str] = "scale_zero"
+
+    @property
+    def key_bits(self) -> int:
+        """Width of the key codes."""
+        return self.bits
+
+    @property
+    def value_bits(self) -> int:
+        """Width of the value codes."""
+        return self.bits
 
     @property
     def name(self) -> str:
@@ -162,6 +177,8 @@ class SignCodec(AffineCodec):
     KERNEL_FIELDS: ClassVar[tuple[str, ...]] = ("k_signs", "k_scale", "k_mean", "v_signs", "v_scale", "v_mean")
     AFFINE: ClassVar[str] = "scale_mean"
     bits: ClassVar[int] = 1
+    key_bits: ClassVar[int] = 1
+    value_bits: ClassVar[int] = 1
 
     @property
     def name(self) -> str:
@@ -204,6 +221,93 @@ class SignCodec(AffineCodec):
     def nbytes(self, B: int, H: int, n: int, T: int, D: int) -> int:
         signs = B * H * n * T * packed_size(D, 1)
         return 2 * signs + 2 * _FP16 * B * H * n * D + 2 * _FP16 * B * H * n * T * (D // self.value_group)
+
+
+#: Storage formats of :class:`MixedCodec`'s ``(a, b)`` parameters.
+META_DTYPES = {"fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+
+
+@dataclass(frozen=True)
+class MixedCodec(AffineCodec):
+    """Keys at ``key_bits``, values at ``value_bits`` (each 1..8), with ``x = a * code + b`` and
+    ``(a, b)`` stored directly (``AFFINE = "ab"``) in fp16 or fp8 e4m3 (``meta``).
+
+    Same group layout as :class:`KBitCodec` (keys per channel over a block, values per token over
+    ``value_group`` channels), after the randomized Hadamard rotation when ``rotate``. Widths
+    differ because keys and values do not cost the same error (a key error moves every softmax
+    weight of its token, a value error only that token's contribution), and fp8 parameters halve
+    the metadata: 16 bits per group instead of 32, i.e. 0.25 instead of 0.5 bits per element at
+    64-element groups. Parameters are rounded into their format before the codes are chosen
+    (:func:`kvtier.quant.quantize_ab`); with ``clip`` each group's grid is the least-error of a few
+    fractions of its range (halves the 2-bit error of rotated data). The adaptive policy chooses the widths per layer
+    (:mod:`kvtier.cache.adaptive`).
+    """
+
+    key_bits: int
+    value_bits: int
+    value_group: int
+    rotate: bool = True
+    meta: str = "fp8"
+    clip: bool = True
+    #: key codes, key a, key b, value codes, value a, value b (the kernels' order)
+    KERNEL_FIELDS: ClassVar[tuple[str, ...]] = ("k_codes", "k_a", "k_b", "v_codes", "v_a", "v_b")
+    AFFINE: ClassVar[str] = "ab"
+
+    def __post_init__(self) -> None:
+        for name in ("key_bits", "value_bits"):
+            width = getattr(self, name)
+            if not (isinstance(width, int) and 1 <= width <= 8):
+                raise ValueError(f"{name}={width!r} is not allowed: expected an int in 1..8")
+        if self.meta not in META_DTYPES:
+            raise ValueError(f"meta={self.meta!r} is not allowed: expected one of {sorted(META_DTYPES)}")
+
+    @property
+    def bits(self) -> int:  # the wider of the two (what a single-width reader would need)
+        return max(self.key_bits, self.value_bits)
+
+    @property
+    def name(self) -> str:
+        return f"k{self.key_bits}v{self.value_bits}" + ("-rot" if self.rotate else "") + f"-{self.meta}"
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        B, H, n, T, D = k.shape
+        G = self.value_group
+        dt = META_DTYPES[self.meta]
+        if self.rotate:
+            r = rotation(D, k.device)
+            k, v = k.float() @ r, v.float() @ r
+        tv = _token_valid(valid)
+        kq, ka, kb = quantize_ab(k, self.key_bits, dim=3, valid=tv, dtype=dt, clip=self.clip)
+        vg = v.reshape(B, H, n, T, D // G, G)
+        vq, va, vb = quantize_ab(vg, self.value_bits, dim=5, valid=tv.unsqueeze(-1), dtype=dt, clip=self.clip)
+        return {
+            "k_codes": pack_bits(kq, self.key_bits),
+            "k_a": ka,
+            "k_b": kb,
+            "v_codes": pack_bits(vq.reshape(B, H, n, T, D), self.value_bits),
+            "v_a": va.squeeze(-1),
+            "v_b": vb.squeeze(-1),
+        }
+
+    def decode(self, f: dict[str, torch.Tensor], dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decode_keys(f, dim, dtype), self.decode_values(f, dim, dtype)
+
+    def decode_keys(self, f: dict[str, torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Tensor:
+        k = unpack_bits(f["k_codes"], self.key_bits, dim).float() * f["k_a"].float() + f["k_b"].float()
+        return (k @ rotation(dim, k.device).T if self.rotate else k).to(dtype)
+
+    def decode_values(self, f: dict[str, torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Tensor:
+        vq = unpack_bits(f["v_codes"], self.value_bits, dim)
+        B, H, n, T, D = vq.shape
+        G = self.value_group
+        v = vq.reshape(B, H, n, T, D // G, G).float() * f["v_a"].float().unsqueeze(-1) + f["v_b"].float().unsqueeze(-1)
+        v = v.reshape(B, H, n, T, D)
+        return (v @ rotation(dim, v.device).T if self.rotate else v).to(dtype)
+
+    def nbytes(self, B: int, H: int, n: int, T: int, D: int) -> int:
+        m = META_DTYPES[self.meta].itemsize
+        codes = B * H * n * T * (packed_size(D, self.key_bits) + packed_size(D, self.value_bits))
+        return codes + 2 * m * B * H * n * D + 2 * m * B * H * n * T * (D // self.value_group)
 
 
 #: fp8 e4m3 (OCP "fn": no infinities, max 448), the format of transformers' and vLLM's fp8 KV caches.
@@ -263,6 +367,8 @@ class Fp8Codec:
     KERNEL_FIELDS: ClassVar[tuple[str, ...]] = ("k_codes", "k_scale", "v_codes", "v_scale")
     AFFINE: ClassVar[str | None] = None
     bits: ClassVar[int] = 8
+    key_bits: ClassVar[int] = 8
+    value_bits: ClassVar[int] = 8
 
     @property
     def name(self) -> str:
@@ -313,7 +419,7 @@ class Fp8Codec:
         return 2 * codes + _FP16 * B * H * n * D + _FP16 * B * H * n * T * (D // self.value_group)
 
 
-Codec = KBitCodec | SignCodec | Fp8Codec
+Codec = KBitCodec | SignCodec | Fp8Codec | MixedCodec
 
 
 # --- what a policy stores: exact dtype, value groups, tier codecs ------------------------------
@@ -353,4 +459,7 @@ def make_codecs(policy: TierPolicy, head_dim: int) -> tuple[Codec, Codec | None]
         return warm, None
     if policy.cold == "sign":
         return warm, SignCodec(g, rotate=policy.cold_rotation)
+    if policy.cold_value_bits is not None or policy.cold_meta != "fp16":
+        vb = policy.cold_bits if policy.cold_value_bits is None else policy.cold_value_bits
+        return warm, MixedCodec(policy.cold_bits, vb, g, rotate=policy.cold_rotation, meta=policy.cold_meta)
     return warm, _group_codec(policy.cold_bits, g, rotate=policy.cold_rotation)

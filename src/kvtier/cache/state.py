@@ -30,6 +30,13 @@ blocks taken from a tier's front, counts pushed onto a tier's back). ``settle`` 
 changes when a step fails; a :class:`~kvtier.TieredCache` keeps one journal per layer for a
 whole forward call and undoes every layer's changes when the call fails anywhere in kvtier.
 
+With ``policy.adaptive`` the layer shares a :class:`~kvtier.cache.adaptive.Budget` with the other
+layers of its cache: blocks entering warm are measured during the warm-up, the cold tier is created
+with the widths the budget allocates to this layer, and the warm capacity follows the budget
+(:meth:`Budget.warm_blocks`) instead of ``warm_tokens`` (which then only caps it).
+:meth:`demote_oldest` steps the oldest warm block down to the cold code (a byte cap's
+``on_full="degrade"``).
+
 With ``cold="offload"`` the cold tier is a :class:`~kvtier.offload.tier.OffloadTier` (same
 interface: resident key sketches and a block table over a block store in host RAM or on disk),
 and attention goes through :mod:`kvtier.offload.attention`.
@@ -124,6 +131,8 @@ class LayerState:
         ``layer_done``, ``abort``, ``check_usable``), held by weak reference; None for a layer used alone.
     attention : one of ``ATTENTION_PATHS``.
     layer_idx : the layer's index in its model (named in errors), or None.
+    budget : the cache's :class:`~kvtier.cache.adaptive.Budget` when ``policy.adaptive`` is set
+        (None: the layer makes its own, covering itself alone).
     """
 
     is_sliding = False
@@ -136,6 +145,7 @@ class LayerState:
         owner: Any = None,
         attention: str = "fast",
         layer_idx: int | None = None,
+        budget: Any = None,
     ):
         super().__init__()
         if attention not in ATTENTION_PATHS:
@@ -147,6 +157,11 @@ class LayerState:
         self.layer_idx = layer_idx
         self.offloader = None
         self.journal: Journal | None = None
+        self.budget = budget
+        if policy.adaptive is not None and budget is None:
+            from .adaptive import Budget
+
+            self.budget = Budget(policy, 1)
         if policy.cold == "offload" and not policy.is_exact:  # directories are checked here
             from ..offload.prefetch import Offloader
 
@@ -188,6 +203,9 @@ class LayerState:
         T = self.policy.block_tokens
         self.warm = BlockTier(warm, T, self.head_dim)
         self.cold = None if cold is None else BlockTier(cold, T, self.head_dim)
+        if self.budget is not None:  # the cold tier comes with the allocation (see _push_cold)
+            self.budget.join(self._budget_idx, self.batch, self.kv_heads, self.head_dim, self.model_dtype)
+            self.cold = None
         if self.offloader is not None:
             from ..offload.tier import OffloadTier
 
@@ -368,6 +386,14 @@ class LayerState:
         T = self.policy.block_tokens
         incoming = k.shape[2] // T
         cap = math.inf if self.policy.warm_tokens is None else self.policy.warm_tokens // T
+        if self.budget is not None:
+            if self.budget.measuring(self.seen):
+                B = k.shape[0]
+                bvalid = valid.reshape(B, 1, incoming, T)
+                blocks = [x.reshape(B, x.shape[1], incoming, T, x.shape[3]) for x in (k, v)]
+                self.budget.errors[self._budget_idx].observe_block(*blocks, bvalid)
+            held = warm.nblocks + incoming + (0 if self.cold is None else self.cold.nblocks)
+            cap = min(cap, self.budget.warm_blocks(self.seen, held))
         overflow = int(max(0, warm.nblocks + incoming - cap))
         from_warm = min(warm.nblocks, overflow)
         direct = overflow - from_warm  # incoming blocks that would overflow at once
@@ -384,8 +410,44 @@ class LayerState:
             self.journal.undo.append(lambda: warm.truncate(before))
             warm.push(k, v, valid)
 
+    @property
+    def _budget_idx(self) -> int:
+        return 0 if self.layer_idx is None else self.layer_idx
+
+    def _make_cold(self) -> None:
+        """An adaptive layer's cold tier, at the widths its budget allocates (undone with the journal)."""
+        assert self.budget is not None and self.journal is not None
+        self.cold = BlockTier(self.budget.cold_codec(self._budget_idx), self.policy.block_tokens, self.head_dim)
+        self.journal.undo.append(lambda: setattr(self, "cold", None))
+
+    def observe_queries(self, rows: torch.Tensor) -> None:
+        """Scaled query rows ``[B, H, R, D]`` of this layer's attention: measured during an adaptive
+        layer's warm-up (see :mod:`kvtier.cache.adaptive`), ignored otherwise."""
+        if self.budget is not None and self.budget.measuring(self.seen):
+            self.budget.errors[self._budget_idx].observe_queries(rows)
+
+    def demote_oldest(self, nblocks: int = 1) -> int:
+        """Step up to ``nblocks`` of the oldest warm blocks down to the cold code (a byte cap's
+        ``on_full="degrade"``); returns the blocks moved (0 without a cold code or warm blocks).
+        Part of the current journal."""
+        assert self.journal is not None
+        warm = self.warm
+        if warm is None or not warm.nblocks or self.policy.cold not in ("quant", "sign"):
+            return 0
+        if self.cold is None:
+            if self.budget is None:
+                return 0
+            self._make_cold()
+        take = min(nblocks, warm.nblocks)
+        old = warm.drop_front(take)
+        self.journal.undo.append(lambda: warm.put_front(old))
+        self._push_cold(*warm.decode_blocks(old, torch.float32))
+        return take
+
     def _push_cold(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
         assert self.journal is not None
+        if self.cold is None and self.budget is not None:
+            self._make_cold()
         cold = self.cold
         if cold is None:
             self.evicted += k.shape[2]

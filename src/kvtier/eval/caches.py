@@ -8,7 +8,8 @@ A :class:`~kvtier.TierPolicy` object is accepted too (sweeps). A preset name wit
 ``:reference`` runs kvtier's reference attention (every tier decoded, one SDPA call) instead of
 the fast path, e.g. ``default:reference``, and ``:per-tier`` the fast path without the fused
 whole-layer decode kernel (one partial per tier, merged in torch); the suffix ``:dense`` runs the preset without its
-sparse attention (``default:dense``), the baseline the sparsity is measured against.
+sparse attention (``default:dense``), the baseline the sparsity is measured against. ``adaptive@B``
+is the ``adaptive`` preset at a budget of ``B`` bits per element (e.g. ``adaptive@2.5``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,16 @@ def cache_spec(name: str | TierPolicy) -> CacheSpec:
         return CacheSpec(name)
     if name in PRESETS:
         return CacheSpec(name, PRESETS[name][1]())
+    if name.startswith("adaptive@"):
+        import dataclasses
+
+        try:
+            bits = float(name.removeprefix("adaptive@"))
+        except ValueError:
+            raise ValueError(f"cache {name!r} is not allowed: expected adaptive@<bits>, e.g. adaptive@2.5") from None
+        p = PRESETS["adaptive"][1]()
+        assert p.adaptive is not None
+        return CacheSpec(name, p.replace(adaptive=dataclasses.replace(p.adaptive, bits=bits), name=name))
     base, _, path = name.partition(":")
     if base in PRESETS and path in ("reference", "per-tier"):
         return CacheSpec(name, PRESETS[base][1](), attention=path)

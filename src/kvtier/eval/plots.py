@@ -127,3 +127,35 @@ def plots_for(doc: dict, stem: str | Path) -> list[Path]:
     if kind == "recall":
         return [recall_heatmap(rows, stem + "-recall.png")]
     return []
+
+
+def allocation_heatmap(per_layer: list[dict], path: str | Path, title: str = "adaptive allocation") -> Path:
+    """Bits per layer (columns) for keys and values by age (rows: hot/sinks exact, warm, cold), from
+    ``memory_report().per_layer`` entries (``widths`` and ``tokens``); cells name the token slots."""
+    layers = [d for d in per_layer if d.get("widths")]
+    rows = [("hot (exact)", None, None), ("warm K", "warm", 0), ("warm V", "warm", 1), ("cold K", "cold", 0)]
+    rows.append(("cold V", "cold", 1))
+    grid = [[float("nan")] * len(layers) for _ in rows]
+    for j, d in enumerate(layers):
+        for i, (_, tier, side) in enumerate(rows):
+            if tier is None:
+                grid[i][j] = 16.0
+            elif d["widths"].get(tier) is not None and d["tokens"].get(tier, 0):
+                grid[i][j] = float(d["widths"][tier][side])
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * len(layers) + 2), 3.2))
+    im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=8)
+    for i, row in enumerate(grid):
+        for j, val in enumerate(row):
+            if val == val and val < 16:
+                ax.text(j, i, f"{val:.0f}", ha="center", va="center", color="white", fontsize=7)
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows])
+    ax.set_xticks(range(len(layers)), [str(d["layer"]) for d in layers], fontsize=7)
+    ax.set_xlabel("layer")
+    warm = sum(d["tokens"].get("warm", 0) for d in layers) // max(1, len(layers))
+    cold = sum(d["tokens"].get("cold", 0) for d in layers) // max(1, len(layers))
+    ax.set_title(f"{title}: code bits (warm {warm} tokens, cold {cold} per layer; hot/sinks 16)", fontsize=9)
+    fig.colorbar(im, ax=ax, label="bits")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

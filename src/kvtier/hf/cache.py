@@ -29,12 +29,14 @@ they settle (a long prompt chunk briefly holds its exact K/V).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
+from ..cache.adaptive import Budget
 from ..cache.state import ATTENTION_NAME, Journal, forward_epoch
 from ..diagnostics import MemoryReport, memory_report
 from ..errors import CacheFullError, KVTierError
@@ -42,7 +44,7 @@ from ..policy import TierPolicy, get_policy
 from ..stats import OffloadStats, SparseStats, tensor_bytes
 from .layer import TieredLayer
 
-ON_FULL = ("error", "evict")
+ON_FULL = ("error", "evict", "degrade")
 
 
 class _Call:
@@ -67,8 +69,12 @@ class TieredCache(Cache):
         or a backend to force: ``"torch"``, ``"cpu"``, ``"fused"``, ``"triton"`` (see
         :mod:`kvtier.attention.plan`; a forced backend that cannot run raises at the first call).
     max_bytes : cap on the bytes the cache holds after every call (see the module doc), or None.
-    on_full : ``"error"`` (raise :class:`~kvtier.CacheFullError`, cache unchanged) or ``"evict"``
-        (drop the oldest non-sink blocks) when a call would exceed ``max_bytes``.
+    on_full : ``"error"`` (raise :class:`~kvtier.CacheFullError`, cache unchanged), ``"evict"``
+        (drop the oldest non-sink blocks) or ``"degrade"`` (step the oldest warm blocks down to the
+        cold code, then evict the oldest) when a call would exceed ``max_bytes``.
+    bits : with an adaptive policy (``"adaptive"``, or ``policy.adaptive`` set): the budget in
+        stored bits per K/V element, every overhead included (see :class:`~kvtier.AdaptivePolicy`);
+        None keeps the policy's.
 
     Example
     -------
@@ -83,6 +89,7 @@ class TieredCache(Cache):
         attention: str = "fast",
         max_bytes: int | None = None,
         on_full: str = "error",
+        bits: float | None = None,
     ):
         if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0):
             raise ValueError(f"max_bytes={max_bytes!r} is not allowed: expected an int > 0 (bytes) or None")
@@ -94,6 +101,13 @@ class TieredCache(Cache):
             raise TypeError(f"config must be a transformers config or model, got {type(config).__name__}")
         self.config = config
         self.policy = get_policy(policy)
+        if bits is not None:
+            if self.policy.adaptive is None:
+                raise ValueError(
+                    f"bits={bits!r} is not allowed with policy {self.policy.name!r}: it sets the budget of an adaptive "
+                    "policy (policy='adaptive' or a TierPolicy with adaptive=AdaptivePolicy(...))"
+                )
+            self.policy = self.policy.replace(adaptive=dataclasses.replace(self.policy.adaptive, bits=bits))
         text = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
         n = len(layer_types)
@@ -102,9 +116,9 @@ class TieredCache(Cache):
                 raise ValueError(f"layer_overrides key {idx} is not allowed: the model has {n} layers")
         policies = {i: self.policy.for_layer(i, n) for i, kind in enumerate(layer_types) if kind == "full_attention"}
         offloading = [p.offload for p in policies.values() if p.cold == "offload" and not p.is_exact]
-        if max_bytes is not None and on_full == "evict" and offloading:
+        if max_bytes is not None and on_full in ("evict", "degrade") and offloading:
             raise ValueError(
-                "on_full='evict' is not allowed with offloading layers (a store keeps its slots once grown); "
+                f"on_full={on_full!r} is not allowed with offloading layers (a store keeps its slots once grown); "
                 "use on_full='error' or a policy without cold='offload'"
             )
         self.max_bytes = max_bytes
@@ -114,10 +128,15 @@ class TieredCache(Cache):
             from ..offload.prefetch import Offloader
 
             self.offloader = Offloader(offloading)
+        self.budgets: dict[TierPolicy, Budget] = {}  # one per adaptive layer policy, shared by its layers
+        for p in policies.values():
+            if p.adaptive is not None and p not in self.budgets:
+                self.budgets[p] = Budget(p, sum(q == p for q in policies.values()))
         layers: list[Any] = []
         for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
             if kind == "full_attention":
-                layers.append(TieredLayer(policies[i], owner=self, attention=attention, layer_idx=i))
+                budget = self.budgets.get(policies[i])
+                layers.append(TieredLayer(policies[i], owner=self, attention=attention, layer_idx=i, budget=budget))
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
         super().__init__(layers=layers)
@@ -240,15 +259,18 @@ class TieredCache(Cache):
         assert self.max_bytes is not None
         own = layer.nbytes()
         other_layers = self._other_bytes()
-        if self.on_full == "evict":
+        if self.on_full in ("evict", "degrade"):
             share = (self.max_bytes - other_layers) // max(1, self.num_tiered)
+            if self.on_full == "degrade":
+                while own > share and layer.demote_oldest(1):
+                    own = layer.nbytes()
             while own > share and layer.evict_oldest(1):
                 own = layer.nbytes()
             if own <= share:
                 return
         others = other_layers + sum(self._held(t) for t in self.tiered_layers if t is not layer)
         if own + others > self.max_bytes:
-            what = "even after evicting every non-sink block of layer" if self.on_full == "evict" else "at layer"
+            what = "even after evicting every non-sink block of layer" if self.on_full != "error" else "at layer"
             raise CacheFullError(
                 f"this call would make the cache hold {own + others:,} bytes > max_bytes={self.max_bytes:,} "
                 f"({what} {layer.layer_idx}: {own:,} bytes); the cache is unchanged: raise max_bytes, use "
@@ -296,6 +318,17 @@ class TieredCache(Cache):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def allocation(self) -> dict:
+        """The adaptive budget's allocation: per layer the cold key and value widths and the measured
+        distortion at each candidate width (empty without an adaptive policy)."""
+        out: dict = {}
+        for budget in self.budgets.values():
+            rep = budget.report()
+            out.setdefault("bits", rep["bits"])
+            out["allocated"] = out.get("allocated", True) and rep["allocated"]
+            out.setdefault("layers", {}).update(rep["layers"])
+        return out
 
     def memory_report(self) -> MemoryReport:
         """Bytes held per tier and layer; see :class:`kvtier.diagnostics.MemoryReport`."""

@@ -37,7 +37,7 @@ from . import build
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_fused_cpu_v9", "layer_attention.cpp", ["layer_attention"], ("-fno-math-errno", "-fno-trapping-math")
+        "kvtier_fused_cpu_v11", "layer_attention.cpp", ["layer_attention"], ("-fno-math-errno", "-fno-trapping-math")
     )
 
 
@@ -64,7 +64,8 @@ def layer_attention(
     exact : ``(k, v, allowed)`` per exact segment: ``k, v [B,H,L,D]`` fp32/fp16/bf16 (views with a
         contiguous last axis are fine), ``allowed`` bool ``[Bm,Rm,L]`` (``Bm`` 1 or B, ``Rm`` 1 or R).
     tiers : ``((k_codes, k_p1, k_p2, v_codes, v_p1, v_p2, valid), bits, start, affine, rot)``
-        per packed tier, as a codec stores them (``codec.KERNEL_FIELDS``, fp16 or fp32 metadata),
+        per packed tier, as a codec stores them (``codec.KERNEL_FIELDS``, fp16, fp32 or fp8 e4m3
+        metadata), ``bits`` one width or ``(key bits, value bits)``,
         ``affine`` the codec's rule for ``x = a * code + b`` (a key of
         :data:`kvtier.cache.codecs.AFFINE_MODES`), ``valid [B,n,T]``, ``start`` the index of the
         tier's first token slot, ``rot [D,D]`` or None (codes of ``x @ rot``).
@@ -84,7 +85,8 @@ def layer_attention(
     for tensors, bits, start, affine, rot in tiers:
         flat_tiers += [t.contiguous() for t in tensors]
         flat_tiers.append(_EMPTY_F if rot is None else rot.float().contiguous())
-        info += [int(bits), int(start), AFFINE_MODES[affine]]
+        kbits, vbits = bits if isinstance(bits, tuple) else (bits, bits)
+        info += [int(kbits), int(vbits), int(start), AFFINE_MODES[affine]]
     method = 0 if select is None else {"mass": 1, "quantile": 2}[select[0]]
     return tuple(
         _module().layer_attention(

@@ -6,7 +6,7 @@ kvtier (a leaf package).
 """
 
 from .bits import pack_bits, packed_size, planes, unpack_bits
-from .groups import dequantize_kbit, dequantize_sign, quantize_kbit, quantize_sign
+from .groups import dequantize_kbit, dequantize_sign, quantize_ab, quantize_kbit, quantize_sign
 from .rotation import rotation
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "planes",
     "unpack_bits",
     "quantize_kbit",
+    "quantize_ab",
     "dequantize_kbit",
     "quantize_sign",
     "dequantize_sign",

@@ -62,6 +62,9 @@ class Backend:
     selections : the :class:`Selection` kinds :meth:`tier` supports.
     exact_segments : :meth:`exact` is its own (else the plan gives sinks and hot to torch).
     layer_call : it has a fused whole-layer call (:meth:`layer`).
+    one_width_only : its per-tier kernel reads one code width for keys and values and fp16 / fp32
+        parameters (a :class:`~kvtier.cache.codecs.MixedCodec` with two widths or fp8 parameters
+        goes to the plan's chunk-wise torch backend instead: :meth:`reads`).
     """
 
     name: ClassVar[str] = ""
@@ -70,6 +73,15 @@ class Backend:
     selections: ClassVar[tuple[str, ...]] = ("dense",)
     exact_segments: ClassVar[bool] = False
     layer_call: ClassVar[bool] = False
+    one_width_only: ClassVar[bool] = False
+
+    def reads(self, codec) -> bool:
+        """Whether :meth:`tier` reads this codec's tensors in place."""
+        if self.affine_only and codec.AFFINE is None:
+            return False
+        if self.one_width_only:
+            return codec.key_bits == codec.value_bits and getattr(codec, "meta", "fp16") == "fp16"
+        return True
 
     @staticmethod
     def available() -> bool:

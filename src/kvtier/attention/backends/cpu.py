@@ -23,6 +23,7 @@ class CpuBackend(Backend):
     affine_only = True
     selections = ("dense", "blocks", "tokens")
     layer_call = True
+    one_width_only = True  # the per-tier kernel; the fused layer call reads every affine codec
 
     @staticmethod
     def available() -> bool:
@@ -73,7 +74,15 @@ class CpuBackend(Backend):
         args = []
         for f, c, start in tiers:
             rot = rotation(D, rows.device) if c.rotate else None
-            args.append(((*(f[n] for n in c.KERNEL_FIELDS), f["valid"].squeeze(1)), c.bits, start, c.AFFINE, rot))
+            args.append(
+                (
+                    (*(f[n] for n in c.KERNEL_FIELDS), f["valid"].squeeze(1)),
+                    (c.key_bits, c.value_bits),
+                    start,
+                    c.AFFINE,
+                    rot,
+                )
+            )
         select = None if sel.kind == "dense" else (sel.method, sel.level, sel.forced_from)
         out, _, counts = fused_cpu.layer_attention(rows, exact, args, select)
         return out, counts

@@ -20,6 +20,7 @@ class TritonBackend(Backend):
     affine_only = True
     selections = ("dense", "blocks")
     exact_segments = True
+    one_width_only = True
 
     @staticmethod
     def available() -> bool:

@@ -221,6 +221,15 @@ inline void load_row(const void* p, int64_t kind, int64_t D, float* out) {
   }
 }
 
+// fp8 e4m3fn byte -> float (metadata of tiers stored with fp8 parameters).
+struct Fp8Lut {
+  float v[256];
+  Fp8Lut() {
+    for (int b = 0; b < 256; ++b) v[b] = static_cast<float>(c10::Float8_e4m3fn(uint8_t(b), c10::Float8_e4m3fn::from_bits()));
+  }
+};
+const Fp8Lut kFp8;
+
 struct Exact {
   const uint8_t* k;
   const uint8_t* v;
@@ -229,7 +238,7 @@ struct Exact {
   int64_t mB, mR, mL;  // mask strides (0 = broadcast)
 };
 
-// Affine metadata as stored (fp16 or fp32), x = a * code + b with (a, b) from the two stored
+// Affine metadata as stored (kind 0 fp32, 1 fp16, 3 fp8 e4m3fn), x = a * code + b with (a, b) from the two stored
 // parameters (p1, p2) by the codec's mode (kvtier.cache.codecs.AFFINE_MODES): 0 "ab" a = p1, b = p2;
 // 1 "scale_zero" (k-bit) a = p1, b = -p1 * p2; 2 "scale_mean" (sign) a = 2 p1, b = p2 - p1.
 struct Meta {
@@ -238,6 +247,7 @@ struct Meta {
   int64_t mode;
   inline float f(const void* p, int64_t i) const {
     if (kind == 0) return static_cast<const float*>(p)[i];
+    if (kind == 3) return kFp8.v[static_cast<const uint8_t*>(p)[i]];
 #if defined(__F16C__)
     return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
 #else
@@ -246,9 +256,15 @@ struct Meta {
   }
   // D consecutive values of a and b from element i
   inline void ab(int64_t i, int64_t D, float* a, float* b, float* tmp) const {
-    const int64_t esz = kind == 0 ? 4 : 2;
-    load_row(static_cast<const uint8_t*>(s) + i * esz, kind, D, a);
-    load_row(static_cast<const uint8_t*>(z) + i * esz, kind, D, tmp);
+    if (kind == 3) {
+      const uint8_t* ps = static_cast<const uint8_t*>(s) + i;
+      const uint8_t* pz = static_cast<const uint8_t*>(z) + i;
+      for (int64_t c = 0; c < D; ++c) { a[c] = kFp8.v[ps[c]]; tmp[c] = kFp8.v[pz[c]]; }
+    } else {
+      const int64_t esz = kind == 0 ? 4 : 2;
+      load_row(static_cast<const uint8_t*>(s) + i * esz, kind, D, a);
+      load_row(static_cast<const uint8_t*>(z) + i * esz, kind, D, tmp);
+    }
     if (mode == 2) {
 #pragma omp simd
       for (int64_t c = 0; c < D; ++c) { b[c] = tmp[c] - a[c]; a[c] *= 2.f; }
@@ -266,12 +282,9 @@ struct Meta {
   }
 };
 
-struct Tier {
-  const uint8_t *kc, *vc;
-  Meta km, vm;
-  const float* rot;
-  const bool* ok;
-  int64_t n, T, P, NG, G, bits, start, npos;
+// The codes of one side of a tier (keys or values: each has its own bit width).
+struct Side {
+  int64_t bits, P, npos, G;
   std::vector<Term> terms;
   Fast fast;
   // per position of the unpacked codes (the order the path unpacks in): channel (>= D: padding),
@@ -281,8 +294,17 @@ struct Tier {
   bool identity = false;  // pchan[k] == k, pw[k] == 1
 };
 
-// Position maps of a tier: term order (runtime path), or with lut_plane planes in channel order.
-void position_maps(Tier& t, int64_t D) {
+struct Tier {
+  const uint8_t *kc, *vc;
+  Meta km, vm;
+  const float* rot;
+  const bool* ok;
+  int64_t n, T, NG, G, start;
+  Side ks, vs;  // key codes, value codes
+};
+
+// Position maps of one side: term order (runtime path), or with lut_plane planes in channel order.
+void position_maps(Side& t, int64_t D) {
   t.pchan.clear();
   t.pw.clear();
   if (t.fast.scores && combined((int)t.bits)) {  // whole codes in channel order
@@ -326,14 +348,14 @@ int64_t kind_of(const torch::Tensor& t) {
 // rows [B,H,R,D] fp32 (scaled). exact: 3 tensors per segment: k, v [B,H,L,D] (last axis contiguous),
 // mask bool [Bm,Rm,L] (Bm in {1,B}, Rm in {1,R}). tiers: 8 tensors per tier: k_codes [B,H,n,T,P],
 // k_scale, k_zero (or k_mean) [B,H,n,1,D], v_codes, v_scale, v_zero (or v_mean) [B,H,n,T,NG],
-// valid [B,n,T], rot ([D,D] or empty); tier_info: (bits, start, affine mode) per tier.
+// valid [B,n,T], rot ([D,D] or empty); tier_info: (key bits, value bits, start, affine mode) per tier.
 // Returns out [B,H,R,D] (normalized, merged), lse [B,H,R], counts int64 [B*H, 1 + ntiers, 3].
 std::vector<torch::Tensor> layer_attention(
     torch::Tensor rows, std::vector<torch::Tensor> exact, std::vector<torch::Tensor> tiers,
     std::vector<int64_t> tier_info, int64_t sel_method, double sel_level, torch::Tensor forced_from) {
   TORCH_CHECK(rows.dtype() == torch::kFloat32 && rows.is_contiguous(), "rows: contiguous float32");
-  TORCH_CHECK(exact.size() % 3 == 0 && tiers.size() % 8 == 0 && tier_info.size() * 8 == tiers.size() * 3,
-              "exact: 3 tensors per segment, tiers: 8 per tier, tier_info: 3 per tier");
+  TORCH_CHECK(exact.size() % 3 == 0 && tiers.size() % 8 == 0 && tier_info.size() * 8 == tiers.size() * 4,
+              "exact: 3 tensors per segment, tiers: 8 per tier, tier_info: 4 per tier");
   const int64_t B = rows.size(0), H = rows.size(1), R = rows.size(2), D = rows.size(3);
   const int64_t NE = exact.size() / 3, NT = tiers.size() / 8;
 
@@ -354,35 +376,41 @@ std::vector<torch::Tensor> layer_attention(
     const torch::Tensor* f = &tiers[8 * s];
     for (int i = 0; i < 7; ++i) TORCH_CHECK(f[i].is_contiguous(), "tier tensors must be contiguous");
     Tier t;
-    const int64_t mode = tier_info[3 * s + 2];
+    const int64_t mode = tier_info[4 * s + 3];
     TORCH_CHECK(mode >= 0 && mode <= 2, "affine mode: 0 (ab), 1 (scale_zero) or 2 (scale_mean)");
     for (int i : {1, 2, 4, 5})
-      TORCH_CHECK(f[i].scalar_type() == torch::kFloat16 || f[i].scalar_type() == torch::kFloat32,
-                  "tier metadata: float16 or float32");
+      TORCH_CHECK(f[i].scalar_type() == torch::kFloat16 || f[i].scalar_type() == torch::kFloat32 ||
+                      f[i].scalar_type() == at::ScalarType::Float8_e4m3fn,
+                  "tier metadata: float16, float32 or float8_e4m3fn");
     TORCH_CHECK(f[1].scalar_type() == f[2].scalar_type() && f[4].scalar_type() == f[5].scalar_type(),
                 "tier metadata: scale and zero of one dtype");
     t.kc = f[0].data_ptr<uint8_t>();
-    t.km = {f[1].data_ptr(), f[2].data_ptr(), f[1].scalar_type() == torch::kFloat32 ? 0 : 1, mode};
+    auto meta_kind = [](const torch::Tensor& m) -> int64_t {
+      return m.scalar_type() == torch::kFloat32 ? 0 : m.scalar_type() == torch::kFloat16 ? 1 : 3;
+    };
+    t.km = {f[1].data_ptr(), f[2].data_ptr(), meta_kind(f[1]), mode};
     t.vc = f[3].data_ptr<uint8_t>();
-    t.vm = {f[4].data_ptr(), f[5].data_ptr(), f[4].scalar_type() == torch::kFloat32 ? 0 : 1, mode};
+    t.vm = {f[4].data_ptr(), f[5].data_ptr(), meta_kind(f[4]), mode};
     t.ok = f[6].data_ptr<bool>();
     t.rot = f[7].numel() ? f[7].data_ptr<float>() : nullptr;
     t.n = f[0].size(2);
     t.T = f[0].size(3);
-    t.P = f[0].size(4);
     t.NG = f[4].size(4);
     TORCH_CHECK(t.NG >= 1 && t.NG <= 64 && D % t.NG == 0, "value groups per token: 1..64, dividing D");
     t.G = D / t.NG;
-    t.bits = tier_info[3 * s];
-    t.start = tier_info[3 * s + 1];
-    t.terms = make_terms(t.bits, D, t.G);
-    t.npos = 0;
-    for (const auto& term : t.terms) t.npos += term.nbytes;
-    t.fast = fast_for(t.bits, D);
-    position_maps(t, D);
-    t.npos = (int64_t)t.pchan.size();
-    t.identity = true;
-    for (int64_t k = 0; k < t.npos; ++k) t.identity = t.identity && t.pchan[k] == k && t.pw[k] == 1.f;
+    t.start = tier_info[4 * s + 2];
+    for (int side = 0; side < 2; ++side) {
+      Side& sd = side == 0 ? t.ks : t.vs;
+      sd.bits = tier_info[4 * s + side];
+      sd.P = f[side == 0 ? 0 : 3].size(4);
+      sd.G = t.G;
+      sd.terms = make_terms(sd.bits, D, t.G);
+      sd.fast = fast_for(sd.bits, D);
+      position_maps(sd, D);
+      sd.npos = (int64_t)sd.pchan.size();
+      sd.identity = true;
+      for (int64_t k = 0; k < sd.npos; ++k) sd.identity = sd.identity && sd.pchan[k] == k && sd.pw[k] == 1.f;
+    }
     tv.push_back(std::move(t));
   }
   const int64_t* ff = sel_method ? forced_from.data_ptr<int64_t>() : nullptr;
@@ -397,9 +425,9 @@ std::vector<torch::Tensor> layer_attention(
   int64_t maxN = 0, maxP = 0, maxT = 0, maxpos = 0, maxNG = 1, LE = 0;
   for (const auto& t : tv) {
     maxN = std::max(maxN, t.n * t.T);
-    maxP = std::max(maxP, t.P);
+    maxP = std::max(maxP, std::max(t.ks.P, t.vs.P));
     maxT = std::max(maxT, t.T);
-    maxpos = std::max(maxpos, t.npos);
+    maxpos = std::max(maxpos, std::max(t.ks.npos, t.vs.npos));
     maxNG = std::max(maxNG, t.NG);
   }
   for (const auto& e : ex) LE += e.L;
@@ -470,7 +498,8 @@ std::vector<torch::Tensor> layer_attention(
       // 2-4. packed tiers
       for (int64_t ti = 0; ti < NT; ++ti) {
         const Tier& t = tv[ti];
-        const int64_t n = t.n, T = t.T, P = t.P, N = n * T, npos = t.npos;
+        const Side& kside = t.ks;
+        const int64_t n = t.n, T = t.T, P = kside.P, N = n * T, npos = kside.npos;
         int64_t* ctn = cn + (1 + ti) * 3;
         const float* qt = qb;
         if (t.rot) {  // scores and values in the rotated basis: q @ rot
@@ -492,7 +521,7 @@ std::vector<torch::Tensor> layer_attention(
           for (int64_t r = 0; r < R; ++r) {
             bias[r] = dot_n(qt + r * D, bo, D);
             float* w = qs.data() + r * npos;
-            if (t.identity) {  // positions are channels (whole codes): a SIMD product
+            if (kside.identity) {  // positions are channels (whole codes): a SIMD product
               const float* qr_ = qt + r * D;
 #pragma omp simd
               for (int64_t c = 0; c < D; ++c) w[c] = qr_[c] * a[c];
@@ -500,14 +529,14 @@ std::vector<torch::Tensor> layer_attention(
               continue;
             }
             for (int64_t k = 0; k < npos; ++k) {
-              const int64_t c = t.pchan[k];
-              w[k] = c < D ? qt[r * D + c] * a[c] * t.pw[k] : 0.f;
+              const int64_t c = kside.pchan[k];
+              w[k] = c < D ? qt[r * D + c] * a[c] * kside.pw[k] : 0.f;
             }
           }
           const uint8_t* codes = t.kc + ((bh * n + blk) * T) * P;
           const bool* okb = t.ok + (b * n + blk) * T;
-          if (t.fast.scores) {
-            t.fast.scores(codes, okb, T, P, R, qs.data(), bias.data(), sc.data() + blk * T, N);
+          if (kside.fast.scores) {
+            kside.fast.scores(codes, okb, T, P, R, qs.data(), bias.data(), sc.data() + blk * T, N);
             continue;
           }
           // runtime shapes: the block's key bytes channel-major, ct[p * T + tt], loops over tokens
@@ -520,7 +549,7 @@ std::vector<torch::Tensor> layer_attention(
             for (int64_t tt = 0; tt < T; ++tt) s[tt] = bi;
           }
           int64_t pos = 0;
-          for (const auto& term : t.terms) {
+          for (const auto& term : kside.terms) {
             const int sh = (int)term.shift, mk = (int)term.mask;
             for (int64_t j = 0; j < term.nbytes; ++j, ++pos) {
               const uint8_t* cb = ct.data() + (term.start + j) * T;
@@ -620,15 +649,17 @@ std::vector<torch::Tensor> layer_attention(
         std::fill(vacc.begin(), vacc.end(), 0.f);
         std::fill(zacc.begin(), zacc.end(), 0.f);
         const int64_t NG = t.NG;
+        const Side& vside = t.vs;
+        const int64_t vpos = vside.npos;
         for (int64_t x = 0; x < N; ++x) {
           if (!anyrow[x]) continue;
           ++ctn[2];
-          const uint8_t* by = t.vc + (bh * N + x) * P;
-          if (t.fast.unpack) {
-            t.fast.unpack(by, u.data());
+          const uint8_t* by = t.vc + (bh * N + x) * vside.P;
+          if (vside.fast.unpack) {
+            vside.fast.unpack(by, u.data());
           } else {
             int64_t pos = 0;
-            for (const auto& term : t.terms) {
+            for (const auto& term : vside.terms) {
               const int sh = (int)term.shift, mk = (int)term.mask;
               const uint8_t* bb = by + term.start;
               float* uu = u.data() + pos;
@@ -646,21 +677,21 @@ std::vector<torch::Tensor> layer_attention(
             const float p = sc[r * N + x];
             if (p == 0.f) continue;
             for (int64_t g = 0; g < NG; ++g) zacc[r * NG + g] += p * bo[g];
-            float* acc = vacc.data() + r * npos;
+            float* acc = vacc.data() + r * vpos;
             if (NG == 1) {
               const float pa = p * a[0];
-              if (t.fast.axpy) {
-                t.fast.axpy(pa, u.data(), acc);
+              if (vside.fast.axpy) {
+                vside.fast.axpy(pa, u.data(), acc);
                 continue;
               }
 #pragma omp simd
-              for (int64_t j = 0; j < npos; ++j) acc[j] += pa * u[j];
+              for (int64_t j = 0; j < vpos; ++j) acc[j] += pa * u[j];
               continue;
             }
             float pa[64];
             for (int64_t g = 0; g < NG; ++g) pa[g] = p * a[g];
-            const int64_t* pg = t.pgroup.data();
-            for (int64_t k = 0; k < npos; ++k) acc[k] += pa[pg[k]] * u[k];
+            const int64_t* pg = vside.pgroup.data();
+            for (int64_t k = 0; k < vpos; ++k) acc[k] += pa[pg[k]] * u[k];
           }
         }
         // the tier's normalized output in channel order (rotated back)
@@ -669,9 +700,9 @@ std::vector<torch::Tensor> layer_attention(
           std::fill(dst, dst + D, 0.f);
           const float kept = tkept[ti * R + r];
           if (kept == 0.f) continue;
-          const float* acc = vacc.data() + r * npos;
-          for (int64_t k = 0; k < npos; ++k)
-            if (t.pchan[k] < D) dst[t.pchan[k]] += acc[k] * t.pw[k];
+          const float* acc = vacc.data() + r * vpos;
+          for (int64_t k = 0; k < vpos; ++k)
+            if (vside.pchan[k] < D) dst[vside.pchan[k]] += acc[k] * vside.pw[k];
           const float inv = 1.f / kept;
           for (int64_t c = 0; c < D; ++c) dst[c] = (dst[c] + zacc[r * NG + c / t.G]) * inv;
         }
