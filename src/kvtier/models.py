@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -46,10 +48,21 @@ def _convert_smollm2(target: Path) -> None:
     cfg.pop("quantization_config", None)
     dense = LlamaForCausalLM(LlamaConfig.from_dict(cfg))
     dense.load_state_dict(src.state_dict())
-    tmp = target.with_name(target.name + ".tmp")
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent))
     dense.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    tmp.rename(target)
+    publish(tmp, target)
+
+
+def publish(tmp: Path, target: Path) -> None:
+    """Move the finished folder ``tmp`` to ``target`` in one rename. Each converting process writes
+    its own ``tmp``; when another process published ``target`` first, ``tmp`` is discarded."""
+    try:
+        tmp.rename(target)
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def model_dir(name: str = SMOLLM2) -> Path:
