@@ -56,6 +56,17 @@ def quantize_kbit(
     codes : uint8, shape of ``x``.
     scale, zero : fp16, shape of ``x`` with ``dim`` reduced to size 1.
     """
+    xf, valid, mn, mx = _valid_range(x, bits, dim, valid)
+    scale_h, zero_h = fit_scale_zero(mn, mx, bits)
+    q = torch.round(xf / scale_h.float() + zero_h.float()).clamp_(0, (1 << bits) - 1)
+    return q.to(torch.uint8), scale_h, zero_h
+
+
+def _valid_range(
+    x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(x as fp32, valid expanded to x, min, max over dim of the valid entries)`` after checking
+    ``bits`` in 1..8."""
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be in 1..8, got {bits}")
     xf = x.float()
@@ -63,9 +74,7 @@ def quantize_kbit(
         valid = valid.expand_as(xf)
     mn = _valid_fill(xf, valid, float("inf")).amin(dim, keepdim=True)
     mx = _valid_fill(xf, valid, float("-inf")).amax(dim, keepdim=True)
-    scale_h, zero_h = fit_scale_zero(mn, mx, bits)
-    q = torch.round(xf / scale_h.float() + zero_h.float()).clamp_(0, (1 << bits) - 1)
-    return q.to(torch.uint8), scale_h, zero_h
+    return xf, valid, mn, mx
 
 
 def fit_scale_zero(mn: torch.Tensor, mx: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,13 +148,7 @@ def quantize_ab(
     codes : uint8, shape of ``x``.
     a, b : ``dtype``, shape of ``x`` with ``dim`` reduced to size 1.
     """
-    if not 1 <= bits <= 8:
-        raise ValueError(f"bits must be in 1..8, got {bits}")
-    xf = x.float()
-    if valid is not None:
-        valid = valid.expand_as(xf)
-    mn = _valid_fill(xf, valid, float("inf")).amin(dim, keepdim=True)
-    mx = _valid_fill(xf, valid, float("-inf")).amax(dim, keepdim=True)
+    xf, valid, mn, mx = _valid_range(x, bits, dim, valid)
     empty = mn > mx
     mn = torch.where(empty, torch.zeros_like(mn), mn)
     mx = torch.where(empty, torch.zeros_like(mx), mx)
