@@ -20,8 +20,9 @@ from kvtier.attention.tiered import tiered_attention
 from kvtier.cache.layer import TieredLayer
 from kvtier.diagnostics import reachable_tensor_bytes
 from kvtier.offload.records import RecordLayout
-from kvtier.offload.sketch import KeySketch, block_lse, block_lse_torch
-from kvtier.offload.store import BlockStore, RecordError, slab_sizes, store_capacity
+from kvtier.offload.sketch import KeySketch, block_lse, block_lse_torch, expand, unpack_valid
+from kvtier.offload.store import BlockStore, RecordError, readahead, slab_sizes, store_capacity
+from kvtier.quant import pack_bits, rotation
 from kvtier.sizing import ModelShape, estimate
 
 
@@ -103,6 +104,46 @@ def test_store_round_trip_and_ids(backend, tmp_path):
         assert len(store.files()) == 4 and all(os.path.getsize(f) == 16 * 40 for f in store.files())
     store.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_store_file_ranges_and_readahead(tmp_path):
+    """The byte ranges of records (sorted, adjacent records merged, per slab file) that the step's
+    readahead queues; the records read back the same after it."""
+    store = BlockStore(40, "disk", str(tmp_path), name="t")
+    ids = store.allocate(40)  # slabs of 16, 16, 16
+    data = torch.randint(0, 256, (40, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    store.write(ids, data)
+    want = torch.tensor([20, 3, 4, 5, 15, 16, 17, 39, 4])
+    got = store.file_ranges(want)
+    f = store.files()
+    assert got == [
+        (f[0], 3 * 40, 3 * 40),
+        (f[0], 15 * 40, 40),
+        (f[1], 0, 2 * 40),
+        (f[1], 4 * 40, 40),
+        (f[2], 7 * 40, 40),
+    ]
+    store.drop_page_cache()
+    readahead(got)
+    readahead([(str(tmp_path / "gone.kv"), 0, 40)])  # advice only: a missing file is skipped
+    assert torch.equal(store.read(want), data[want])
+    assert BlockStore(40, "cpu").file_ranges(want) == []
+    store.close()
+
+
+def test_disk_step_reads_ahead_the_predicted_records(tmp_path):
+    """A disk layer that attended once has predicted records; the next step's readahead covers them."""
+    pol = off_policy(backend="disk", path=str(tmp_path), prefetch=True, mass=None, max_blocks=2, min_blocks=1)
+    layer, _, _, valid = build_layer(pol, q=1)
+    query = torch.randn(3, 4, 1, 12, generator=torch.Generator().manual_seed(5))
+    first = tiered_attention(layer, query, mask_for(valid, 1), 0.3)
+    ranges = layer.cold.predicted_ranges()
+    assert ranges and all(p in layer.cold.store.files() for p, _, _ in ranges)
+    covered = sum(length for _, _, length in ranges) // layer.cold.store.record_bytes
+    assert covered == int(layer.cold.predicted_blocks().sum())  # one record per predicted (row, head, block)
+    layer.cold.store.drop_page_cache()
+    again = tiered_attention(layer, query, mask_for(valid, 1), 0.3)
+    assert torch.equal(first, again)
 
 
 def test_slab_growth_rule():
@@ -311,7 +352,8 @@ def test_limited_budget_drops_exactly_the_unselected_blocks(budget, force):
     # reference: exact attention where each row sees sinks, hot and only its kept cold blocks
     T = pol.block_tokens
     cold_len = n * T
-    allowed_cold = keep.repeat_interleave(T, -1) & layer.cold.fields["valid"].reshape(B, 1, 1, -1)
+    valid_cold = unpack_valid(layer.cold.fields["valid_bits"], T)
+    allowed_cold = keep.repeat_interleave(T, -1) & valid_cold.reshape(B, 1, 1, -1)
     s_k, s_v = layer.sinks.k.double(), layer.sinks.v.double()
     c_k, c_v, _ = layer.cold.dense(torch.float64)
     h_k, h_v = (t.double() for t in layer.hot.view())
@@ -366,13 +408,38 @@ def test_sketch_kernel_equals_torch(D, T, R):
     k = torch.randn(2, 3, 9, T, D, generator=g) * torch.linspace(0.2, 3, D)
     valid = torch.rand(2, 1, 9, T, generator=g) > 0.3
     valid[0, 0, 4] = False  # an empty block
-    f = sk.encode(k, valid)
-    f["valid"] = valid
+    coded = sk.encode(k, valid)
+    f = expand(coded, T)
+    assert torch.equal(f["valid"], valid)
     rows = torch.randn(2, 3, R, D, generator=g)
     a, b = block_lse_torch(rows, f, sk), block_lse(rows, f, sk, kernel=True)
     assert torch.equal(torch.isinf(a), torch.isinf(b)) and torch.isinf(a[0, :, :, 4]).all()
     assert (a - b).nan_to_num(0.0, 0.0, 0.0).abs().max() < 1e-4
-    assert sum(t.numel() * t.element_size() for n, t in f.items() if n != "valid") == sk.nbytes(2, 3, 9, T, D)
+    assert sum(t.numel() * t.element_size() for t in coded.values()) == sk.nbytes(2, 3, 9, T, D)
+
+
+@pytest.mark.parametrize("D,T", [(12, 7), (64, 64)])
+def test_coded_sketch_estimates_match_float_fields(D, T):
+    """The uint8/int8-coded mean, scale and per-token factor give the estimates the same sketch
+    with float fields gives (the codes' rounding is small next to the 1-bit sketch's own error)."""
+    g = torch.Generator().manual_seed(T)
+    sk = KeySketch(rotate=True)
+    k = (torch.randn(1, 2, 5, T, D, generator=g) * torch.linspace(0.2, 3, D) + torch.randn(D, generator=g)) * 4
+    valid = torch.ones(1, 1, 5, T, dtype=torch.bool)
+    valid[0, 0, 0, : T // 2] = False
+    f = expand(sk.encode(k, valid), T)
+    # float reference: the same construction without codes
+    kf = k @ rotation(D, k.device)
+    tv = valid.unsqueeze(-1).float()
+    mean = (kf * tv).sum(3, keepdim=True) / tv.sum(3, keepdim=True)
+    dev = kf - mean
+    scale = (dev.abs() * tv).sum(3, keepdim=True) / tv.sum(3, keepdim=True)
+    alpha = (dev.abs() * scale).sum(-1) / (scale * scale).sum(-1)
+    ref = dict(f, k_mean=mean, k_scale=scale, k_alpha=alpha * valid.squeeze(1), k_signs=pack_bits((dev >= 0).byte(), 1))
+    rows = torch.randn(1, 2, 3, D, generator=g) / D**0.5
+    a, b = block_lse_torch(rows, f, sk), block_lse_torch(rows, ref, sk)
+    assert (a - b).abs().max() < 0.02 * b.abs().max()
+    assert (f["k_alpha"] <= f["k_amax"][..., None]).all() and (f["k_alpha"][~valid.expand(1, 2, 5, T)] == 0).all()
 
 
 def test_sketch_ranks_an_outlier_block_first():
@@ -382,8 +449,7 @@ def test_sketch_ranks_an_outlier_block_first():
     q = torch.randn(1, 1, 1, 32, generator=g)
     k[0, 0, 3, 5] = 4 * q[0, 0, 0] / q.norm()
     sk = KeySketch()
-    f = sk.encode(k, torch.ones(1, 1, 6, 16, dtype=torch.bool))
-    f["valid"] = torch.ones(1, 1, 6, 16, dtype=torch.bool)
+    f = expand(sk.encode(k, torch.ones(1, 1, 6, 16, dtype=torch.bool)), 16)
     assert int(block_lse(q, f, sk).argmax()) == 3
 
 

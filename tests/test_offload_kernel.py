@@ -13,7 +13,7 @@ from kvtier.attention.tiered import tiered_attention
 from kvtier.kernels import offload_cpu
 from kvtier.offload.attention import attend_blocks_torch, coarse_bounds, select_two_level_torch
 from kvtier.offload.records import RecordLayout
-from kvtier.offload.sketch import KeySketch, block_lse_torch, query_rows
+from kvtier.offload.sketch import KeySketch, block_lse_torch, expand, query_rows
 from kvtier.offload.store import BlockStore
 from test_offload import build_layer, mask_for, off_policy
 
@@ -29,8 +29,7 @@ def sketched(B, H, n, T, D, seed, empty=True):
     valid[-1, :, 0, : T // 2] = False  # left padding of the last row
     if empty:
         valid[0, 0, 1] = False  # an empty block
-    f = KeySketch(rotate=True).encode(k, valid)
-    f["valid"] = valid
+    f = KeySketch(rotate=True).encode(k, valid)  # coded, as the tier stores it and the kernels read it
     return f, k, v, valid, g
 
 
@@ -47,13 +46,14 @@ def sketched(B, H, n, T, D, seed, empty=True):
 def test_select_kernel_equals_torch(D, T, R, pol):
     B, H, n = 2, 3, 11
     f, _, _, _, g = sketched(B, H, n, T, D, seed=D + R)
+    fx = expand(f, T)  # the float view the torch reference reads
     rows = torch.randn(B, H, R, D, generator=g)
     qrot = query_rows(rows, KeySketch(rotate=True))
     lse_res = torch.randn(B, H, R, generator=g) + 2
     forced_from = torch.tensor([n - 1 - (r % 3) for r in range(R)]) if pol.local_window else torch.full((R,), n)
-    keep_t, lse_t, scored_t = select_two_level_torch(qrot, f, lse_res, forced_from, pol)
+    keep_t, lse_t, scored_t = select_two_level_torch(qrot, fx, lse_res, forced_from, pol)
     keep_k, lse_k, scored_k = offload_cpu.offload_select(
-        qrot, f, f["k_amax"], lse_res, forced_from, pol.mass, pol.min_blocks, pol.max_blocks, pol.coarse_tol
+        qrot, f, lse_res, forced_from, pol.mass, pol.min_blocks, pol.max_blocks, pol.coarse_tol
     )
     assert torch.equal(scored_t, scored_k)
     assert torch.equal(torch.isinf(lse_t), torch.isinf(lse_k))
@@ -61,8 +61,8 @@ def test_select_kernel_equals_torch(D, T, R, pol):
     assert torch.equal(keep_t, keep_k)
     assert not keep_k[0, :, :, 1].any()  # the empty block
     # the coarse bound is an upper bound of every block's sketch estimate
-    full = block_lse_torch(qrot, f, KeySketch(rotate=False))
-    ub = coarse_bounds(qrot, f)
+    full = block_lse_torch(qrot, fx, KeySketch(rotate=False))
+    ub = coarse_bounds(qrot, fx)
     assert (full <= ub + 1e-4).all()
     if pol.coarse_tol == 0:
         assert torch.equal(scored_k, torch.full_like(scored_k, n - 1) + torch.tensor([0, 0, 0, 1, 1, 1]))
@@ -89,7 +89,8 @@ def test_attend_in_place_equals_torch(dtype, D, T, R):
     keep[0, 0, 0] = False  # and nothing kept: the row stays empty
     kptr = store.addresses(table)
     vptr = kptr + T * D * layout.dtype.itemsize
-    out_k, lse_k, counts = offload_cpu.offload_attend(rows, keep, kptr, vptr, valid, T, dtype, out_prev, lse_prev)
+    bits = f["valid_bits"]
+    out_k, lse_k, counts = offload_cpu.offload_attend(rows, keep, kptr, vptr, bits, T, dtype, out_prev, lse_prev)
     out_t, lse_t = attend_blocks_torch(rows, keep, kd, vd, valid, out_prev, lse_prev)
     assert torch.isinf(lse_k[0, 0, 0]) and (out_k[0, 0, 0] == 0).all()
     fin = torch.isfinite(lse_t)

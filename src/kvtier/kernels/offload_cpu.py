@@ -40,7 +40,7 @@ DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_offload_cpu_v3",
+        "kvtier_offload_cpu_v4",
         "offload_attention.cpp",
         ["offload_select", "offload_attend"],
         ("-fno-math-errno", "-fno-trapping-math"),
@@ -56,7 +56,6 @@ def available() -> bool:
 def offload_select(
     qrot: torch.Tensor,
     fields: dict[str, torch.Tensor],
-    amax: torch.Tensor,
     lse_res: torch.Tensor,
     forced_from: torch.Tensor,
     mass: float | None,
@@ -69,9 +68,10 @@ def offload_select(
     Parameters
     ----------
     qrot : fp32 ``[B, H, R, D]`` query rows (scaled, rotated like the sketch).
-    fields : the sketch fields: ``k_signs`` uint8 ``[B,H,n,T,P]``, ``k_scale``, ``k_mean`` fp16
-        ``[B,H,n,1,D]``, ``k_alpha`` fp16 ``[B,H,n,T]``, ``valid`` bool ``[B,1,n,T]``.
-    amax : fp32 ``[B, H, n]`` the largest ``k_alpha`` of each block.
+    fields : the coded sketch fields of :mod:`kvtier.offload.sketch` (``k_signs`` uint8
+        ``[B,H,n,T,P]``, ``k_scale`` uint8 / ``k_mean`` int8 ``[B,H,n,1,D]``, ``k_alpha`` uint8
+        ``[B,H,n,T]``, ``k_amax``, ``k_smax``, ``k_mmax`` fp16 ``[B,H,n]``, ``valid_bits`` uint8
+        ``[B,1,n,ceil(T/8)]``); read coded, as stored.
     lse_res : fp32 ``[B, H, R]`` exact log mass of the resident tokens.
     forced_from : int64 ``[R]``: blocks ``j >= forced_from[r]`` holding a valid token are kept.
     mass, min_blocks, max_blocks : the rule of :func:`kvtier.offload.attention.select_offloaded`
@@ -90,8 +90,10 @@ def offload_select(
             fields["k_scale"].contiguous(),
             fields["k_mean"].contiguous(),
             fields["k_alpha"].contiguous(),
-            amax.float().contiguous(),
-            fields["valid"].contiguous(),
+            fields["k_amax"].contiguous(),
+            fields["k_smax"].contiguous(),
+            fields["k_mmax"].contiguous(),
+            fields["valid_bits"].contiguous(),
             lse_res.float().contiguous(),
             forced_from.to(torch.long).contiguous(),
             -1.0 if mass is None else float(mass),
@@ -122,7 +124,7 @@ def offload_attend(
     kptr, vptr : int64 ``[B, H, n]`` addresses of each block's keys and values, each ``[T, D]``
         contiguous in ``dtype`` (0: the block is not in this source and is skipped). The memory
         must stay alive and unchanged during the call.
-    valid : bool ``[B, 1, n, T]``.
+    valid : ``valid_bits`` uint8 ``[B, 1, n, ceil(T/8)]`` (packed, as the sketch stores it).
     out_prev, lse_prev : fp32 ``[B,H,R,D]`` normalized output and ``[B,H,R]`` log-sum-exp of what
         was attended before (``lse_prev = -inf``: nothing).
 

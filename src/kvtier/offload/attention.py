@@ -37,7 +37,7 @@ from ..cache.state import LayerState
 from ..indexing import hot_rows_allowed
 from ..kernels import fused_cpu
 from ..policy import OffloadPolicy
-from .sketch import KeySketch, block_lse, block_lse_torch, query_rows
+from .sketch import KeySketch, block_lse, block_lse_torch, expand, nonempty, query_rows
 from .tier import OffloadTier
 
 
@@ -85,7 +85,8 @@ def _cold_partials(
     policy = tier.policy
     T = tier.block_tokens
     B, H, R, D = rows.shape
-    scores = block_lse(rows, tier.fields, tier.sketch, kernel)  # [B,H,R,n]
+    fields = expand(tier.fields, T)
+    scores = block_lse(rows, fields, tier.sketch, kernel)  # [B,H,R,n]
     forced = None
     if policy.local_window:
         ends = start + T * torch.arange(1, tier.nblocks + 1, device=rows.device)
@@ -96,7 +97,7 @@ def _cold_partials(
         lse_res = torch.stack([p.lse for p in resident]).logsumexp(0)  # hot is never empty
         keep = select_offloaded(scores, lse_res, policy, forced)
     tier.observe(keep, scores)
-    valid = tier.fields["valid"].expand(B, H, -1, -1)  # [B,H,n,T]
+    valid = fields["valid"].expand(B, H, -1, -1)  # [B,H,n,T]
     parts = []
     for blocks, k, v in tier.gather(keep.any(2)):
         kk = blocks.shape[-1]
@@ -109,8 +110,9 @@ def _cold_partials(
 
 
 def coarse_bounds(qrot: torch.Tensor, fields: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Upper bound of each block's sketch log-sum-exp: ``qrot [B,H,R,D]`` (rotated like the sketch)
-    -> ``[B,H,R,n]`` (``-inf``: no valid token). Every sketched key is ``mean + alpha_t * scale *
+    """Upper bound of each block's sketch log-sum-exp: ``qrot [B,H,R,D]`` (rotated like the sketch),
+    ``fields`` the float view (:func:`kvtier.offload.sketch.expand`) -> ``[B,H,R,n]`` (``-inf``: no
+    valid token). Every sketched key is ``mean + alpha_t * scale *
     (+-1)`` with ``0 <= alpha_t <= amax``, so its score is at most ``q . mean + amax * sum_c |q_c
     scale_c|``, and a block's log-sum-exp at most that plus ``log(valid tokens)``."""
     mean = fields["k_mean"].float().squeeze(3)  # [B,H,n,D]
@@ -132,7 +134,8 @@ def select_two_level_torch(
     policy: OffloadPolicy,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference of :func:`kvtier.kernels.offload_cpu.offload_select`: ``(keep [B,H,R,n], lse
-    [B,H,R,n], scored [B*H])``. ``qrot`` are the rotated rows; the sketch estimate is computed for
+    [B,H,R,n], scored [B*H])``. ``qrot`` are the rotated rows, ``fields`` the float view
+    (:func:`kvtier.offload.sketch.expand`) of the coded fields the kernel reads; the sketch estimate is computed for
     every block here and masked to the blocks the walk scores."""
     B, H, R, _ = qrot.shape
     n = fields["valid"].shape[2]
@@ -161,7 +164,7 @@ def select_two_level_torch(
 
 
 def nonempty_blocks(fields: dict[str, torch.Tensor]) -> torch.Tensor:
-    """bool ``[B, 1, n]``: blocks holding a valid token."""
+    """bool ``[B, 1, n]``: blocks holding a valid token (``fields``: the float view)."""
     return fields["valid"].any(-1)
 
 
@@ -221,13 +224,12 @@ def _attend_kernel(
         else:
             forced_from = torch.full((R,), n, dtype=torch.long)
         if policy.unlimited:
-            keep = nonempty_blocks(fields).unsqueeze(2).expand(B, H, R, n).contiguous()
+            keep = nonempty(fields).unsqueeze(2).expand(B, H, R, n).contiguous()
             scores, scored = torch.zeros(keep.shape).masked_fill(~keep, float("-inf")), 0
         else:
             keep, scores, counts = offload_cpu.offload_select(
                 query_rows(rows, tier.sketch),
                 fields,
-                fields["k_amax"],
                 lse_res,
                 forced_from,
                 policy.mass,
@@ -239,7 +241,7 @@ def _attend_kernel(
         tier.remember_selection(keep, scored)
         if tier.prefetch_enabled:
             tier.observe(keep, scores)
-    valid = fields["valid"]
+    valid = fields["valid_bits"]
     if tier.in_place:
         kptr, vptr = tier.record_addresses()
         out, lse, _ = offload_cpu.offload_attend(rows, keep, kptr, vptr, valid, T, tier.layout.dtype, out_res, lse_res)

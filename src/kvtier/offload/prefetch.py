@@ -12,6 +12,14 @@ selected in place (hits: no second copy on the compute thread) and reads the res
 (misses, also stall). Staged records are released when the layer's attention ends,
 so staging never holds more than two layers and nothing is staged between steps.
 
+Readahead (disk). Staging one layer ahead hides little of a device read: a layer's records are
+read a page fault at a time. So when a step starts, the offloader also asks the OS to read every
+disk layer's predicted records into the page cache (:func:`~kvtier.offload.store.readahead`,
+``POSIX_FADV_WILLNEED``, in layer order) on a second thread: the device then serves the whole
+step's reads at its full queue depth while the layers compute, and the staging and synchronous
+reads copy from the page cache. A read of several runs (:meth:`BlockStore.read`) queues them all
+the same way before copying.
+
 Disk directories: for each directory named by a disk policy, the offloader creates a private
 subdirectory (``kvtier-*``) at construction; missing or read-only directories fail here, naming
 the path. The subdirectories are removed by :meth:`Offloader.close` or when the offloader is
@@ -29,7 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ..policy import OffloadPolicy
-from .store import NotCopyable, OffloadError, check_directory
+from .store import NotCopyable, OffloadError, check_directory, readahead
 
 if TYPE_CHECKING:
     from .tier import OffloadTier
@@ -91,13 +99,14 @@ class Offloader(NotCopyable):
     def unregister(self, tier: OffloadTier) -> None:
         self.tiers = [t for t in self.tiers if t is not tier]
 
-    def submit(self, fn, *args) -> Future:
-        """Run ``fn(*args)`` on the prefetch worker."""
+    def submit(self, fn, *args, worker: int = 0) -> Future:
+        """Run ``fn(*args)`` on the prefetch worker (``worker=1``: the readahead thread)."""
         if not self._finalizer.alive:
             raise OffloadError("the cache's offloader is closed")
-        if not self._executors:
-            self._executors.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-prefetch"))
-        return self._executors[0].submit(fn, *args)
+        names = ("kvtier-prefetch", "kvtier-readahead")
+        while len(self._executors) <= worker:
+            self._executors.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix=names[len(self._executors)]))
+        return self._executors[worker].submit(fn, *args)
 
     def stream(self, device):  # noqa: ANN201 - torch.cuda.Stream
         """The side stream prefetch copies run on (one per CUDA device)."""
@@ -116,6 +125,9 @@ class Offloader(NotCopyable):
         if i == 0:  # a new step: nothing staged may survive from an interrupted one
             for t in order:
                 t.drop_staging()
+            ranges = [r for t in order if t.prefetch_enabled for r in t.predicted_ranges()]
+            if ranges:
+                self.submit(readahead, ranges, worker=1)
             tier.submit_prefetch()
         if i + 1 < len(order):
             order[i + 1].submit_prefetch()

@@ -111,6 +111,29 @@ def store_capacity(records: int, record_bytes: int) -> int:
     return sum(slab_sizes(records, record_bytes))
 
 
+def readahead(ranges: list[tuple[str, int, int]]) -> None:
+    """Ask the OS to start reading file ``ranges`` ``(path, offset, length)`` into the page cache
+    (``POSIX_FADV_WILLNEED``: the reads are queued together, so the device serves them in parallel
+    instead of one page fault at a time). Advice only: a file that is gone is skipped. The call
+    may block while the device's queue is full, so a caller that must not wait runs it on a thread
+    (it releases the GIL)."""
+    by_path: dict[str, list[tuple[int, int]]] = {}
+    for path, off, length in ranges:
+        by_path.setdefault(path, []).append((off, length))
+    for path, spans in by_path.items():
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            for off, length in spans:
+                os.posix_fadvise(fd, off, length, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
 def check_directory(path: str) -> str:
     """The absolute directory ``path`` if it exists and is writable; else an :class:`OffloadError`."""
     path = os.path.abspath(os.path.expanduser(str(path)))
@@ -377,6 +400,15 @@ class BlockStore(NotCopyable):
             finally:
                 os.close(fd)
 
+    def file_ranges(self, ids: torch.Tensor) -> list[tuple[str, int, int]]:
+        """Disk backend: ``(path, offset, length)`` of the file bytes holding records ``ids`` (any
+        order; sorted, adjacent records merged), for :func:`readahead`. ``[]`` for ``"cpu"``."""
+        if self.backend != "disk" or ids.numel() == 0 or self.closed:
+            return []
+        x = ids.reshape(-1).to("cpu", torch.long).unique()  # sorted
+        x = x[(x >= 0) & (x < self.capacity)]
+        return [(self._paths[s], lo * self.record_bytes, (b - a) * self.record_bytes) for a, b, s, lo in self._runs(x)]
+
     def addresses(self, ids: torch.Tensor) -> torch.Tensor:
         """``"cpu"`` backend: the memory address of each record ``ids`` (int64, any shape; ``-1``
         gives 0), for kernels that read records where they lie. Valid until the store grows,
@@ -439,6 +471,8 @@ class BlockStore(NotCopyable):
             recs = [i for a, b, s, _ in runs if s in bad for i in ids[a:b].tolist()]
             shown = f"{recs[:8]}" if len(recs) <= 8 else f"{recs[:8]} (and {len(recs) - 8} more)"
             raise RecordError(f"record(s) {shown} cannot be read: {self._shrunk(bad)}", recs)
+        if self.backend == "disk" and len(runs) > 1:  # queue every run's read at once, then copy
+            readahead([(self._paths[s], lo * self.record_bytes, (b - a) * self.record_bytes) for a, b, s, lo in runs])
         views: dict[int, np.ndarray] = {}
         try:
             for a, b, s, lo in runs:

@@ -3,7 +3,7 @@
 When a block leaves the hot (or warm) tier it is split in two:
 
 * resident, next to the compute: a 1-bit key sketch (:mod:`kvtier.offload.sketch`) and validity
-  ``valid: bool [B, 1, n, T]`` (pads and captured sinks are False), stored like a
+  ``valid_bits: uint8 [B, 1, n, ceil(T/8)]`` (packed; pads and captured sinks are 0), stored like a
   :class:`~kvtier.cache.tiers.BlockTier`'s fields, plus the block table ``table: int64 [B, H, n]``
   mapping (row, KV head, cold block) to a record id of the store;
 * offloaded: one record per (row, KV head, block) holding the exact keys and values (or their
@@ -28,7 +28,7 @@ from ..policy import TierPolicy
 from ..stats import OffloadStats
 from .prefetch import Offloader
 from .records import RecordLayout
-from .sketch import KeySketch
+from .sketch import KeySketch, nonempty, unpack_valid
 from .store import BlockStore, NotCopyable, OffloadError, RecordError, store_capacity
 
 
@@ -83,7 +83,7 @@ class OffloadTier(NotCopyable):
         # (blocks [B,H,k], k, v [B,H,k,T,D] on the device, listed bool [B,H,n], used bool [B,H,n])
         self._staged: tuple | None = None
         self._selection: tuple[torch.Tensor, int] | None = None  # (keep [B,H,R,n'], steps reused)
-        self._addresses: tuple | None = None  # (table, store version, kptr, vptr): see record_addresses
+        self._addresses: tuple | None = None  # (table, store version, kptr): see record_addresses
         self.stats = OffloadStats()
         #: Diagnostic (benchmarks): measure the exact mass of the blocks each row skipped, reading
         #: every block of the tier at every call (slow). Counted in ``stats.skipped_*``.
@@ -93,7 +93,7 @@ class OffloadTier(NotCopyable):
     # --- tier interface (as BlockTier) ------------------------------------------------------
     @property
     def nblocks(self) -> int:
-        return 0 if not self.fields else self.fields["valid"].shape[2]
+        return 0 if not self.fields else self.fields["valid_bits"].shape[2]
 
     @property
     def ntokens(self) -> int:
@@ -112,8 +112,7 @@ class OffloadTier(NotCopyable):
         n = N // T
         kb, vb = k.reshape(B, H, n, T, D), v.reshape(B, H, n, T, D)
         bvalid = valid.reshape(B, 1, n, T).to(self.device)
-        new = self.sketch.encode(kb, bvalid)
-        new["valid"] = bvalid.clone()
+        new = self.sketch.encode(kb, bvalid)  # valid_bits included
         if self.fields:
             new = {name: torch.cat([self.fields[name], t], dim=2) for name, t in new.items()}
         old = self.nblocks
@@ -208,7 +207,7 @@ class OffloadTier(NotCopyable):
         k, v = self.layout.decode(self._read(self.table.flatten()))
         k = k.to(self.device, dtype).reshape(B, H, n * self.block_tokens, self.head_dim)
         v = v.to(self.device, dtype).reshape(B, H, n * self.block_tokens, self.head_dim)
-        return k, v, self.fields["valid"].reshape(B, -1)
+        return k, v, unpack_valid(self.fields["valid_bits"], self.block_tokens).reshape(B, -1)
 
     def tensors(self) -> list[torch.Tensor]:
         """Resident tensors: sketches, validity, block table, prediction, kept selection, record
@@ -327,14 +326,16 @@ class OffloadTier(NotCopyable):
 
     def record_addresses(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``"cpu"`` store: addresses of every block's keys and values, int64 ``[B, H, n]`` (exact
-        records: keys ``[T, D]`` then values), cached until the block table or the store changes."""
+        records: keys ``[T, D]`` then values). The key addresses are cached until the block table
+        or the store changes; the value addresses (a fixed offset) are derived per call."""
         cached = self._addresses
         if cached is not None and cached[0] is self.table and cached[1] == self.store.version:
-            return cached[2], cached[3]
-        assert self.table is not None and self.layout.bits is None
-        kptr = self.store.addresses(self.table)
+            kptr = cached[2]
+        else:
+            assert self.table is not None and self.layout.bits is None
+            kptr = self.store.addresses(self.table)
+            self._addresses = (self.table, self.store.version, kptr)
         vptr = torch.where(kptr != 0, kptr + self.block_tokens * self.head_dim * self.layout.dtype.itemsize, kptr)
-        self._addresses = (self.table, self.store.version, kptr, vptr)
         return kptr, vptr
 
     def _padded(self, keep: torch.Tensor) -> torch.Tensor:
@@ -344,7 +345,7 @@ class OffloadTier(NotCopyable):
         n = self.nblocks
         if old == n:
             return keep
-        new = self.fields["valid"][:, :, old:].any(-1).unsqueeze(2).expand(B, H, R, n - old)
+        new = nonempty({"valid_bits": self.fields["valid_bits"][:, :, old:]}).unsqueeze(2).expand(B, H, R, n - old)
         return torch.cat([keep, new], dim=-1)
 
     def reused_selection(self, B: int, H: int, R: int) -> torch.Tensor | None:
@@ -404,7 +405,13 @@ class OffloadTier(NotCopyable):
         known = self.predicted.shape[2]
         mask = torch.ones(B, H, n, dtype=torch.bool)
         mask[:, :, :known] = self.predicted[:, :, :n].cpu()
-        return mask & self.fields["valid"].any(-1).cpu()  # [B, 1, n]: blocks holding real tokens
+        return mask & nonempty(self.fields).cpu()  # [B, 1, n]: blocks holding real tokens
+
+    def predicted_ranges(self) -> list[tuple[str, int, int]]:
+        """Disk store: the file ranges of the predicted blocks' records (for the step's readahead)."""
+        if self.store.backend != "disk" or self.table is None or self.predicted is None:
+            return []
+        return self.store.file_ranges(self.table[self.predicted_blocks()])
 
     def submit_prefetch(self) -> None:
         """Start fetching the predicted blocks on the offloader's worker (no-op when off or staged)."""
@@ -491,7 +498,7 @@ def planned_bytes(policy: TierPolicy, B: int, H: int, n: int, D: int, dtype: tor
     """``(resident, offloaded)`` bytes of an offloaded tier holding ``n`` blocks per (row, KV head)
     with distinct records (no beams), after at least one attention (the planner's formula).
 
-    Resident: sketches, validity ``B*n*T``, block table ``8*B*H*n``, prediction ``B*H*n`` and, on
+    Resident: sketches with packed validity, block table ``8*B*H*n``, prediction ``B*H*n`` and, on
     disk, an int32 checksum per store slot; offloaded: the store's slots.
     """
     op = policy.offload
@@ -499,7 +506,7 @@ def planned_bytes(policy: TierPolicy, B: int, H: int, n: int, D: int, dtype: tor
     T = policy.block_tokens
     layout = RecordLayout(T, D, dtype, op.store_bits, value_group(policy, D))
     slots = store_capacity(B * H * n, layout.record_bytes) if n else 0
-    resident = KeySketch(policy.cold_rotation).nbytes(B, H, n, T, D) + B * n * T + 8 * B * H * n + B * H * n
+    resident = KeySketch(policy.cold_rotation).nbytes(B, H, n, T, D) + 8 * B * H * n + B * H * n
     if op.backend == "disk":
         resident += 4 * slots
     return resident, slots * layout.record_bytes

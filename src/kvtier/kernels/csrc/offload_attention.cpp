@@ -65,6 +65,98 @@ inline void to_float(const void* p, int dt, int64_t n, float* __restrict out) {
   }
 }
 
+// Bit t of packed bits (LSB first, as kvtier.quant.pack_bits).
+inline bool bit(const uint8_t* bits, int64_t t) { return (bits[t >> 3] >> (t & 7)) & 1; }
+
+#if defined(__AVX512F__)
+// Horizontal sums of 16 vectors in one transposing reduction: lane l of the result is the sum of
+// v[hslot(l)] (so a caller writing token u's partial vector to v[hslot(u)] gets token u's sum in lane u).
+inline __m512 hsum16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 x = v[2 * i], y = v[2 * i + 1];
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512 x = a[2 * i], y = a[2 * i + 1];
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {
+    const __m512 x = b[2 * i], y = b[2 * i + 1];
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+}
+constexpr int hslot(int u) { return 4 * (u & 3) + (u >> 2); }
+
+// The 16 validity bits of tokens t0 .. t0 + 15 (t0 a multiple of 8).
+inline __mmask16 bits16(const uint8_t* bits, int64_t t0) {
+  return __mmask16(uint16_t(bits[t0 >> 3]) | uint16_t(bits[(t0 >> 3) + 1]) << 8);
+}
+#endif
+
+#if defined(__AVX512F__)
+// Sketch estimates of one block's T tokens for G rows (at most 4) of a 64-wide head:
+// x[g * T + t] = bias[g] + alpha[t] * (2 w_g . bits_t - wsum[g]) (-inf for invalid tokens), where
+// w_g . bits_t is the sum of w_g over the channels whose sign bit is set (masked adds, no unpacking;
+// a token's 64 bits are loaded once for the G rows; 16 tokens reduced at once by hsum16).
+template <int G>
+inline void sketch64(const float* w, const float* bias, const float* wsum, const uint8_t* codes, const float* alpha,
+                     const uint8_t* okb, int64_t T, float* x) {
+  __m512 wv[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) wv[g][c] = _mm512_loadu_ps(w + g * 64 + 16 * c);
+  alignas(64) __m512 part[G][16];
+  const int64_t T16 = T / 16 * 16;
+  for (int64_t t0 = 0; t0 < T16; t0 += 16) {
+    for (int u = 0; u < 16; ++u) {
+      uint64_t bm;
+      std::memcpy(&bm, codes + (t0 + u) * 8, 8);
+      const __mmask16 m0 = __mmask16(bm), m1 = __mmask16(bm >> 16), m2 = __mmask16(bm >> 32), m3 = __mmask16(bm >> 48);
+      for (int g = 0; g < G; ++g) {
+        __m512 acc = _mm512_maskz_mov_ps(m0, wv[g][0]);
+        acc = _mm512_mask_add_ps(acc, m1, acc, wv[g][1]);
+        acc = _mm512_mask_add_ps(acc, m2, acc, wv[g][2]);
+        part[g][hslot(u)] = _mm512_mask_add_ps(acc, m3, acc, wv[g][3]);
+      }
+    }
+    const __m512 a = _mm512_loadu_ps(alpha + t0);
+    const __mmask16 ok = bits16(okb, t0);
+    for (int g = 0; g < G; ++g) {
+      const __m512 dot = hsum16(part[g]);
+      const __m512 est = _mm512_fmadd_ps(a, _mm512_sub_ps(_mm512_add_ps(dot, dot), _mm512_set1_ps(wsum[g])),
+                                         _mm512_set1_ps(bias[g]));
+      _mm512_storeu_ps(x + g * T + t0, _mm512_mask_blend_ps(ok, _mm512_set1_ps(NEG), est));
+    }
+  }
+  for (int64_t t = T16; t < T; ++t) {
+    uint64_t bm;
+    std::memcpy(&bm, codes + t * 8, 8);
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_maskz_mov_ps(__mmask16(bm), wv[g][0]);
+      acc = _mm512_mask_add_ps(acc, __mmask16(bm >> 16), acc, wv[g][1]);
+      acc = _mm512_mask_add_ps(acc, __mmask16(bm >> 32), acc, wv[g][2]);
+      acc = _mm512_mask_add_ps(acc, __mmask16(bm >> 48), acc, wv[g][3]);
+      const float dot = _mm512_reduce_add_ps(acc);
+      x[g * T + t] = bit(okb, t) ? bias[g] + alpha[t] * (2.f * dot - wsum[g]) : NEG;
+    }
+  }
+}
+#endif
+
+// Block i's per-channel sketch scale (uint8 codes of smax) and mean (int8 codes of mmax) -> floats.
+inline void decode_block(const uint8_t* ks, const int8_t* km, const uint16_t* sm, const uint16_t* mm, int64_t i,
+                         int64_t D, float* __restrict scale, float* __restrict mean) {
+  const float fs = half_to_float(sm[i]) / 255.f, fm = half_to_float(mm[i]) / 127.f;
+  const uint8_t* s = ks + i * D;
+  const int8_t* m = km + i * D;
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) {
+    scale[d] = float(s[d]) * fs;
+    mean[d] = float(m[d]) * fm;
+  }
+}
+
 inline float logaddexp(float a, float b) {
   if (a == NEG) return b;
   if (b == NEG) return a;
@@ -81,11 +173,15 @@ namespace {
 template <int DC>
 std::vector<torch::Tensor> select_impl(torch::Tensor qr, torch::Tensor signs, torch::Tensor scale,
                                           torch::Tensor mean, torch::Tensor alpha, torch::Tensor amax,
-                                          torch::Tensor valid, torch::Tensor lse_res, torch::Tensor forced_from,
-                                          double mass, int64_t min_blocks, int64_t max_blocks, double tol) {
+                                          torch::Tensor smax, torch::Tensor mmax, torch::Tensor valid,
+                                          torch::Tensor lse_res, torch::Tensor forced_from, double mass,
+                                          int64_t min_blocks, int64_t max_blocks, double tol) {
   TORCH_CHECK(qr.dtype() == torch::kFloat32 && qr.is_contiguous(), "rows: contiguous float32");
-  TORCH_CHECK(scale.dtype() == torch::kFloat16 && mean.dtype() == torch::kFloat16 &&
-                  alpha.dtype() == torch::kFloat16, "scale, mean, alpha: float16");
+  TORCH_CHECK(scale.dtype() == torch::kUInt8 && mean.dtype() == torch::kInt8 && alpha.dtype() == torch::kUInt8,
+              "scale, mean, alpha: uint8, int8, uint8 codes");
+  TORCH_CHECK(amax.dtype() == torch::kFloat16 && smax.dtype() == torch::kFloat16 && mmax.dtype() == torch::kFloat16,
+              "amax, smax, mmax: float16");
+  TORCH_CHECK(valid.dtype() == torch::kUInt8, "valid: packed uint8 bits");
   const int64_t B = qr.size(0), H = qr.size(1), R = qr.size(2), D = DC > 0 ? DC : qr.size(3);
   const int64_t n = signs.size(2), T = signs.size(3), P = signs.size(4), Dp = DC > 0 ? (DC + 7) / 8 * 8 : 8 * P;
   TORCH_CHECK(Dp >= D, "signs do not cover head_dim");
@@ -94,11 +190,14 @@ std::vector<torch::Tensor> select_impl(torch::Tensor qr, torch::Tensor signs, to
   auto scored = torch::zeros({B * H}, qr.options().dtype(torch::kLong));
   const float* q = qr.data_ptr<float>();
   const uint8_t* sg = signs.data_ptr<uint8_t>();
-  const uint16_t* ks = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
-  const uint16_t* km = reinterpret_cast<const uint16_t*>(mean.data_ptr<at::Half>());
-  const uint16_t* al = reinterpret_cast<const uint16_t*>(alpha.data_ptr<at::Half>());
-  const float* am = amax.data_ptr<float>();
-  const bool* ok = valid.data_ptr<bool>();
+  const uint8_t* ks = scale.data_ptr<uint8_t>();
+  const int8_t* km = mean.data_ptr<int8_t>();
+  const uint8_t* al = alpha.data_ptr<uint8_t>();
+  const uint16_t* am = reinterpret_cast<const uint16_t*>(amax.data_ptr<at::Half>());
+  const uint16_t* sm = reinterpret_cast<const uint16_t*>(smax.data_ptr<at::Half>());
+  const uint16_t* mm = reinterpret_cast<const uint16_t*>(mmax.data_ptr<at::Half>());
+  const uint8_t* ok = valid.data_ptr<uint8_t>();
+  const int64_t TB = (T + 7) / 8;
   const float* lr = lse_res.data_ptr<float>();
   const int64_t* ff = forced_from.data_ptr<int64_t>();
   bool* kp = keep.data_ptr<bool>();
@@ -107,7 +206,7 @@ std::vector<torch::Tensor> select_impl(torch::Tensor qr, torch::Tensor signs, to
   const float log_tol = tol > 0 ? float(std::log(tol)) : NEG;
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> ub(R * n), sbuf(D), mbuf(D), w(R * Dp, 0.f), bias(R), wsum(R), tot(R), suf(R * (n + 1));
-    std::vector<float> bits(T * Dp), abuf(T), x(T), bmax(n);
+    std::vector<float> bits(T * Dp), abuf(T), x(R * T), bmax(n);
     std::vector<int64_t> order(n), cnt(n), rank_order(n);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H;
@@ -116,12 +215,11 @@ std::vector<torch::Tensor> select_impl(torch::Tensor qr, torch::Tensor signs, to
       //    q . mean + amax * sum_c |q_c scale_c| + log(valid tokens).
       for (int64_t j = 0; j < n; ++j) {
         int64_t c = 0;
-        const bool* okb = ok + (b * n + j) * T;
-        for (int64_t t = 0; t < T; ++t) c += okb[t];
+        const uint8_t* okb = ok + (b * n + j) * TB;
+        for (int64_t t = 0; t < TB; ++t) c += std::popcount(unsigned(okb[t]));
         cnt[j] = c;
-        to_float(ks + (bh * n + j) * D, 0, D, sbuf.data());
-        to_float(km + (bh * n + j) * D, 0, D, mbuf.data());
-        const float a = am[bh * n + j];
+        decode_block(ks, km, sm, mm, bh * n + j, D, sbuf.data(), mbuf.data());
+        const float a = half_to_float(am[bh * n + j]);
         for (int64_t r = 0; r < R; ++r) {
           float dm = 0.f, da = 0.f;
 #pragma omp simd reduction(+ : dm, da)
@@ -155,9 +253,12 @@ std::vector<torch::Tensor> select_impl(torch::Tensor qr, torch::Tensor signs, to
         for (int64_t r = 0; r < R && done; ++r) done = suf[r * (n + 1) + p] <= log_tol + tot[r];
         if (done) break;
         // sketch scores of block j: q . mean + alpha_t (2 w . bits_t - w . 1), w = q * scale
-        to_float(ks + (bh * n + j) * D, 0, D, sbuf.data());
-        to_float(km + (bh * n + j) * D, 0, D, mbuf.data());
-        to_float(al + (bh * n + j) * T, 0, T, abuf.data());
+        decode_block(ks, km, sm, mm, bh * n + j, D, sbuf.data(), mbuf.data());
+        {
+          const float f = half_to_float(am[bh * n + j]) / 255.f;
+          const uint8_t* ab = al + (bh * n + j) * T;
+          for (int64_t t = 0; t < T; ++t) abuf[t] = float(ab[t]) * f;
+        }
         const uint8_t* codes = sg + (bh * n + j) * T * P;
 #if defined(__AVX512F__)
         constexpr bool masked = DC == 64;  // a token's 64 sign bits are one AVX-512 mask word
@@ -166,7 +267,7 @@ std::vector<torch::Tensor> select_impl(torch::Tensor qr, torch::Tensor signs, to
 #endif
         if constexpr (!masked)
           for (int64_t t = 0; t < T * P; ++t) std::memcpy(bits.data() + 8 * t, kBits.v[codes[t]], 8 * sizeof(float));
-        const bool* okb = ok + (b * n + j) * T;
+        const uint8_t* okb = ok + (b * n + j) * TB;
         for (int64_t r = 0; r < R; ++r) {
           float* wr = w.data() + r * Dp;
           float dm = 0.f, ws = 0.f;
@@ -176,39 +277,43 @@ std::vector<torch::Tensor> select_impl(torch::Tensor qr, torch::Tensor signs, to
             dm += qb[r * D + d] * mbuf[d];
             ws += wr[d];
           }
-          float m = NEG;
+          bias[r] = dm;
+          wsum[r] = ws;
+        }
 #if defined(__AVX512F__)
-          if constexpr (masked) {
-            // w . bits = the sum of w over the channels whose bit is set: masked adds, no unpacking
-            const __m512 w0 = _mm512_loadu_ps(wr), w1 = _mm512_loadu_ps(wr + 16);
-            const __m512 w2 = _mm512_loadu_ps(wr + 32), w3 = _mm512_loadu_ps(wr + 48);
-            for (int64_t t = 0; t < T; ++t) {
-              uint64_t bm;
-              std::memcpy(&bm, codes + t * 8, 8);
-              __m512 acc = _mm512_maskz_mov_ps(__mmask16(bm), w0);
-              acc = _mm512_mask_add_ps(acc, __mmask16(bm >> 16), acc, w1);
-              acc = _mm512_mask_add_ps(acc, __mmask16(bm >> 32), acc, w2);
-              acc = _mm512_mask_add_ps(acc, __mmask16(bm >> 48), acc, w3);
-              const float dot = _mm512_reduce_add_ps(acc);
-              x[t] = okb[t] ? dm + abuf[t] * (2.f * dot - ws) : NEG;
-              m = std::max(m, x[t]);
+        if constexpr (masked) {
+          // rows in groups of up to 4 sharing each token's sign masks
+          for (int64_t r0 = 0; r0 < R; r0 += 4) {
+            switch (std::min<int64_t>(4, R - r0)) {
+              case 4: sketch64<4>(w.data() + r0 * 64, bias.data() + r0, wsum.data() + r0, codes, abuf.data(), okb, T, x.data() + r0 * T); break;
+              case 3: sketch64<3>(w.data() + r0 * 64, bias.data() + r0, wsum.data() + r0, codes, abuf.data(), okb, T, x.data() + r0 * T); break;
+              case 2: sketch64<2>(w.data() + r0 * 64, bias.data() + r0, wsum.data() + r0, codes, abuf.data(), okb, T, x.data() + r0 * T); break;
+              default: sketch64<1>(w.data() + r0 * 64, bias.data() + r0, wsum.data() + r0, codes, abuf.data(), okb, T, x.data() + r0 * T);
             }
-          } else
+          }
+        } else
 #endif
-          {
+        {
+          for (int64_t r = 0; r < R; ++r) {
+            const float* wr = w.data() + r * Dp;
+            float* xr = x.data() + r * T;
             for (int64_t t = 0; t < T; ++t) {
               const float* bt = bits.data() + t * Dp;
               float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
               for (int64_t d = 0; d < D; ++d) dot += wr[d] * bt[d];
-              x[t] = okb[t] ? dm + abuf[t] * (2.f * dot - ws) : NEG;
-              m = std::max(m, x[t]);
+              xr[t] = bit(okb, t) ? bias[r] + abuf[t] * (2.f * dot - wsum[r]) : NEG;
             }
           }
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          const float* xr = x.data() + r * T;
+          float m = NEG;
+          for (int64_t t = 0; t < T; ++t) m = std::max(m, xr[t]);
           float s = 0.f;
           if (m != NEG) {
 #pragma omp simd reduction(+ : s)
-            for (int64_t t = 0; t < T; ++t) s += fexp(x[t] - m);
+            for (int64_t t = 0; t < T; ++t) s += fexp(xr[t] - m);
           }
           const float v = m == NEG ? NEG : m + std::log(s);
           lo[(bh * R + r) * n + j] = v;
@@ -247,16 +352,123 @@ std::vector<torch::Tensor> select_impl(torch::Tensor qr, torch::Tensor signs, to
 
 std::vector<torch::Tensor> offload_select(torch::Tensor qr, torch::Tensor signs, torch::Tensor scale,
                                           torch::Tensor mean, torch::Tensor alpha, torch::Tensor amax,
-                                          torch::Tensor valid, torch::Tensor lse_res, torch::Tensor forced_from,
-                                          double mass, int64_t min_blocks, int64_t max_blocks, double tol) {
+                                          torch::Tensor smax, torch::Tensor mmax, torch::Tensor valid,
+                                          torch::Tensor lse_res, torch::Tensor forced_from, double mass,
+                                          int64_t min_blocks, int64_t max_blocks, double tol) {
   if (qr.size(3) == 64 && signs.size(4) == 8)
-    return select_impl<64>(qr, signs, scale, mean, alpha, amax, valid, lse_res, forced_from, mass, min_blocks,
-                           max_blocks, tol);
-  return select_impl<0>(qr, signs, scale, mean, alpha, amax, valid, lse_res, forced_from, mass, min_blocks,
-                        max_blocks, tol);
+    return select_impl<64>(qr, signs, scale, mean, alpha, amax, smax, mmax, valid, lse_res, forced_from, mass,
+                           min_blocks, max_blocks, tol);
+  return select_impl<0>(qr, signs, scale, mean, alpha, amax, smax, mmax, valid, lse_res, forced_from, mass,
+                        min_blocks, max_blocks, tol);
 }
 
 namespace {
+
+#if defined(__AVX512F__)
+// 16 values of storage dtype DT (0 fp16, 1 bf16, 2 fp32) at p as floats.
+template <int DT>
+inline __m512 load16(const void* p) {
+  if constexpr (DT == 0) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
+  } else if constexpr (DT == 1) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  } else {
+    return _mm512_loadu_ps(static_cast<const float*>(p));
+  }
+}
+
+// One block of a 64-wide head for the rows rk[0..nr) (at most 4): scores q . k of its T tokens
+// (invalid ones -inf) into sc[r * T + t], read from the record in its storage dtype (no converted
+// copy); 16 tokens' dot products reduced at once (hsum16).
+template <int DT, int G>
+inline void scores64(const float* qb, const int64_t* rk, const uint8_t* K, const uint8_t* okb, int64_t T,
+                     float* sc) {
+  constexpr int64_t ES = DT == 2 ? 4 : 2;
+  __m512 q[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) q[g][c] = _mm512_loadu_ps(qb + rk[g] * 64 + 16 * c);
+  alignas(64) __m512 part[G][16];
+  const int64_t T16 = T / 16 * 16;
+  for (int64_t t0 = 0; t0 < T16; t0 += 16) {
+    for (int u = 0; u < 16; ++u) {
+      const uint8_t* kt = K + (t0 + u) * 64 * ES;
+      const __m512 k0 = load16<DT>(kt), k1 = load16<DT>(kt + 16 * ES);
+      const __m512 k2 = load16<DT>(kt + 32 * ES), k3 = load16<DT>(kt + 48 * ES);
+      for (int g = 0; g < G; ++g) {
+        __m512 a = _mm512_mul_ps(q[g][0], k0);
+        a = _mm512_fmadd_ps(q[g][1], k1, a);
+        a = _mm512_fmadd_ps(q[g][2], k2, a);
+        part[g][hslot(u)] = _mm512_fmadd_ps(q[g][3], k3, a);
+      }
+    }
+    const __mmask16 ok = bits16(okb, t0);
+    for (int g = 0; g < G; ++g)
+      _mm512_storeu_ps(sc + rk[g] * T + t0, _mm512_mask_blend_ps(ok, _mm512_set1_ps(NEG), hsum16(part[g])));
+  }
+  for (int64_t t = T16; t < T; ++t) {
+    const uint8_t* kt = K + t * 64 * ES;
+    const __m512 k0 = load16<DT>(kt), k1 = load16<DT>(kt + 16 * ES);
+    const __m512 k2 = load16<DT>(kt + 32 * ES), k3 = load16<DT>(kt + 48 * ES);
+    for (int g = 0; g < G; ++g) {
+      __m512 a = _mm512_mul_ps(q[g][0], k0);
+      a = _mm512_fmadd_ps(q[g][1], k1, a);
+      a = _mm512_fmadd_ps(q[g][2], k2, a);
+      a = _mm512_fmadd_ps(q[g][3], k3, a);
+      sc[rk[g] * T + t] = bit(okb, t) ? _mm512_reduce_add_ps(a) : NEG;
+    }
+  }
+}
+
+// acc[r] += sum_t p[r * T + t] * v_t for the rows rk[0..nr) (at most 4; rk < 0 skipped by the caller).
+template <int DT, int G>
+inline void values64(const int64_t* rk, const uint8_t* V, int64_t T, const float* p, float* acc) {
+  constexpr int64_t ES = DT == 2 ? 4 : 2;
+  __m512 a[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) a[g][c] = _mm512_loadu_ps(acc + rk[g] * 64 + 16 * c);
+  for (int64_t t = 0; t < T; ++t) {
+    const uint8_t* vt = V + t * 64 * ES;
+    const __m512 v0 = load16<DT>(vt), v1 = load16<DT>(vt + 16 * ES);
+    const __m512 v2 = load16<DT>(vt + 32 * ES), v3 = load16<DT>(vt + 48 * ES);
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(p[rk[g] * T + t]);
+      a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
+      a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);
+      a[g][2] = _mm512_fmadd_ps(w, v2, a[g][2]);
+      a[g][3] = _mm512_fmadd_ps(w, v3, a[g][3]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + rk[g] * 64 + 16 * c, a[g][c]);
+}
+
+// Rows in groups of up to 4 (a group's keys or values loaded once, its accumulators in registers).
+template <int DT>
+inline void scores64_rows(const float* qb, const int64_t* rk, int64_t nr, const uint8_t* K, const uint8_t* okb,
+                          int64_t T, float* sc) {
+  for (int64_t i = 0; i < nr; i += 4) {
+    switch (std::min<int64_t>(4, nr - i)) {
+      case 4: scores64<DT, 4>(qb, rk + i, K, okb, T, sc); break;
+      case 3: scores64<DT, 3>(qb, rk + i, K, okb, T, sc); break;
+      case 2: scores64<DT, 2>(qb, rk + i, K, okb, T, sc); break;
+      default: scores64<DT, 1>(qb, rk + i, K, okb, T, sc);
+    }
+  }
+}
+
+template <int DT>
+inline void values64_rows(const int64_t* rk, int64_t nr, const uint8_t* V, int64_t T, const float* p, float* acc) {
+  for (int64_t i = 0; i < nr; i += 4) {
+    switch (std::min<int64_t>(4, nr - i)) {
+      case 4: values64<DT, 4>(rk + i, V, T, p, acc); break;
+      case 3: values64<DT, 3>(rk + i, V, T, p, acc); break;
+      case 2: values64<DT, 2>(rk + i, V, T, p, acc); break;
+      default: values64<DT, 1>(rk + i, V, T, p, acc);
+    }
+  }
+}
+#endif
 
 // Exact attention over the blocks each row keeps, merged into (out_prev, lse_prev); see
 // offload_cpu.offload_attend. DC as for select_impl.
@@ -274,16 +486,23 @@ std::vector<torch::Tensor> attend_impl(torch::Tensor rows, torch::Tensor keep, t
   const bool* kp = keep.data_ptr<bool>();
   const int64_t* ka = kptr.data_ptr<int64_t>();
   const int64_t* va = vptr.data_ptr<int64_t>();
-  const bool* ok = valid.data_ptr<bool>();
+  TORCH_CHECK(valid.dtype() == torch::kUInt8, "valid: packed uint8 bits");
+  const uint8_t* ok = valid.data_ptr<uint8_t>();
+  const int64_t TB = (T + 7) / 8;
   const float* op = out_prev.data_ptr<float>();
   const float* lp = lse_prev.data_ptr<float>();
   float* o = out.data_ptr<float>();
   float* l = lse.data_ptr<float>();
   int64_t* cn = counts.data_ptr<int64_t>();
   const int dt = int(dtype);
+#if defined(__AVX512F__)
+  constexpr bool fast = DC == 64;  // records read in their dtype by the AVX-512 block routines
+#else
+  constexpr bool fast = false;
+#endif
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kf(T * D), vf(T * D), acc(R * D), m(R), s(R), sc(R * T);
-    std::vector<int64_t> rk(R);
+    std::vector<float> kf(fast ? 0 : T * D), vf(fast ? 0 : T * D), acc(R * D), m(R), s(R), sc(R * T);
+    std::vector<int64_t> rk(R), rv(R);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H;
       const float* qb = q + bh * R * D;
@@ -302,28 +521,37 @@ std::vector<torch::Tensor> attend_impl(torch::Tensor rows, torch::Tensor keep, t
           if (kp[(bh * R + r) * n + j]) rk[nr++] = r;
         if (nr == 0) continue;
         ++blocks;
-        const bool* okb = ok + (b * n + j) * T;
-        to_float(reinterpret_cast<const void*>(kaddr), dt, T * D, kf.data());
-        bool any = false;
+        const uint8_t* okb = ok + (b * n + j) * TB;
+        // 1. scores of the kept rows into sc[r * T + t] (-inf for invalid tokens)
+        if constexpr (fast) {
+          const uint8_t* K = reinterpret_cast<const uint8_t*>(kaddr);
+          if (dt == 0) scores64_rows<0>(qb, rk.data(), nr, K, okb, T, sc.data());
+          else if (dt == 1) scores64_rows<1>(qb, rk.data(), nr, K, okb, T, sc.data());
+          else scores64_rows<2>(qb, rk.data(), nr, K, okb, T, sc.data());
+        } else {
+          to_float(reinterpret_cast<const void*>(kaddr), dt, T * D, kf.data());
+          for (int64_t i = 0; i < nr; ++i) {
+            const float* qr = qb + rk[i] * D;
+            float* x = sc.data() + rk[i] * T;
+            for (int64_t t = 0; t < T; ++t) {
+              const float* kt = kf.data() + t * D;
+              float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+              for (int64_t d = 0; d < D; ++d) dot += qr[d] * kt[d];
+              x[t] = bit(okb, t) ? dot : NEG;
+            }
+          }
+        }
+        // 2. online softmax per row; rows with nothing valid in the block drop out
+        int64_t nv = 0;
         for (int64_t i = 0; i < nr; ++i) {
           const int64_t r = rk[i];
-          const float* qr = qb + r * D;
           float* x = sc.data() + r * T;
-          float mb = NEG;
-          for (int64_t t = 0; t < T; ++t) {
-            const float* kt = kf.data() + t * D;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qr[d] * kt[d];
-            x[t] = okb[t] ? dot : NEG;
-            mb = std::max(mb, x[t]);
-          }
           pairs += T;
-          if (mb == NEG) {
-            rk[i] = -1;
-            continue;
-          }
-          any = true;
+          float mb = NEG;
+          for (int64_t t = 0; t < T; ++t) mb = std::max(mb, x[t]);
+          if (mb == NEG) continue;
+          rv[nv++] = r;
           const float mn = std::max(m[r], mb);
           const float f = m[r] == NEG ? 0.f : std::exp(m[r] - mn);
           s[r] *= f;
@@ -339,24 +567,19 @@ std::vector<torch::Tensor> attend_impl(torch::Tensor rows, torch::Tensor keep, t
           }
           s[r] += sum;
         }
-        if (!any) continue;
-        to_float(reinterpret_cast<const void*>(va[bh * n + j]), dt, T * D, vf.data());
-        for (int64_t i = 0; i < nr; ++i) {
-          const int64_t r = rk[i];
-          if (r < 0) continue;
-          const float* x = sc.data() + r * T;
-          float* ar = acc.data() + r * D;
-          if constexpr (DC > 0) {
-            alignas(32) float la[DC];
-            for (int d = 0; d < DC; ++d) la[d] = ar[d];
-            for (int64_t t = 0; t < T; ++t) {
-              const float p = x[t];
-              const float* vt = vf.data() + t * DC;
-#pragma omp simd
-              for (int d = 0; d < DC; ++d) la[d] += p * vt[d];
-            }
-            for (int d = 0; d < DC; ++d) ar[d] = la[d];
-          } else {
+        if (nv == 0) continue;
+        // 3. values
+        const int64_t vaddr = va[bh * n + j];
+        if constexpr (fast) {
+          const uint8_t* V = reinterpret_cast<const uint8_t*>(vaddr);
+          if (dt == 0) values64_rows<0>(rv.data(), nv, V, T, sc.data(), acc.data());
+          else if (dt == 1) values64_rows<1>(rv.data(), nv, V, T, sc.data(), acc.data());
+          else values64_rows<2>(rv.data(), nv, V, T, sc.data(), acc.data());
+        } else {
+          to_float(reinterpret_cast<const void*>(vaddr), dt, T * D, vf.data());
+          for (int64_t i = 0; i < nv; ++i) {
+            const float* x = sc.data() + rv[i] * T;
+            float* ar = acc.data() + rv[i] * D;
             for (int64_t t = 0; t < T; ++t) {
               const float p = x[t];
               if (p == 0.f) continue;
