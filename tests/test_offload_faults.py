@@ -64,7 +64,8 @@ def assert_no_signal(proc: subprocess.CompletedProcess) -> None:
 
 
 def prefetch_threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.name.startswith("kvtier-prefetch") and t.is_alive()}
+    names = ("kvtier-prefetch", "kvtier-readahead")
+    return {t for t in threading.enumerate() if t.name.startswith(names) and t.is_alive()}
 
 
 def tier_state(cache: TieredCache) -> list[tuple]:

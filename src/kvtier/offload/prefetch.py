@@ -13,12 +13,13 @@ selected in place (hits: no second copy on the compute thread) and reads the res
 so staging never holds more than two layers and nothing is staged between steps.
 
 Readahead (disk). Staging one layer ahead hides little of a device read: a layer's records are
-read a page fault at a time. So when a step starts, the offloader also asks the OS to read every
-disk layer's predicted records into the page cache (:func:`~kvtier.offload.store.readahead`,
-``POSIX_FADV_WILLNEED``, in layer order) on a second thread: the device then serves the whole
-step's reads at its full queue depth while the layers compute, and the staging and synchronous
-reads copy from the page cache. A read of several runs (:meth:`BlockStore.read`) queues them all
-the same way before copying.
+read a page fault at a time. So the offloader also asks the OS to read the predicted records of
+the layers ``READAHEAD_LAYERS`` ahead into the page cache (:func:`~kvtier.offload.store.readahead`,
+``POSIX_FADV_WILLNEED``) on a second thread: the device serves those reads at its queue depth
+while the layers compute, and the staging and synchronous reads copy from the page cache. Only a
+few layers ahead, not the whole step: a layer's mispredicted records, read when its selection is
+known, would otherwise queue behind every later layer's readahead. A read of several runs
+(:meth:`BlockStore.read`) queues them all the same way before copying.
 
 Disk directories: for each directory named by a disk policy, the offloader creates a private
 subdirectory (``kvtier-*``) at construction; missing or read-only directories fail here, naming
@@ -41,6 +42,9 @@ from .store import NotCopyable, OffloadError, check_directory, readahead
 
 if TYPE_CHECKING:
     from .tier import OffloadTier
+
+#: Disk readahead runs this many offloading layers ahead of the one attending.
+READAHEAD_LAYERS = 3
 
 
 def _shutdown(executors: list[ThreadPoolExecutor], dirs: list[str]) -> None:
@@ -125,12 +129,18 @@ class Offloader(NotCopyable):
         if i == 0:  # a new step: nothing staged may survive from an interrupted one
             for t in order:
                 t.drop_staging()
-            ranges = [r for t in order if t.prefetch_enabled for r in t.predicted_ranges()]
-            if ranges:
-                self.submit(readahead, ranges, worker=1)
+            self._readahead(order[: READAHEAD_LAYERS + 1])
             tier.submit_prefetch()
+        elif i + READAHEAD_LAYERS < len(order):
+            self._readahead(order[i + READAHEAD_LAYERS : i + READAHEAD_LAYERS + 1])
         if i + 1 < len(order):
             order[i + 1].submit_prefetch()
+
+    def _readahead(self, tiers: list[OffloadTier]) -> None:
+        """Queue the OS reads of ``tiers``' predicted disk records on the readahead thread."""
+        ranges = [r for t in tiers if t.prefetch_enabled for r in t.predicted_ranges()]
+        if ranges:
+            self.submit(readahead, ranges, worker=1)
 
     def close(self) -> None:
         """Stop the worker (waiting for it to exit) and remove this cache's files and directories
