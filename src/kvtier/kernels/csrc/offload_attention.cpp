@@ -309,6 +309,7 @@ std::vector<torch::Tensor> select_impl(torch::Tensor qr, torch::Tensor signs, to
         for (int64_t r = 0; r < R; ++r) {
           const float* xr = x.data() + r * T;
           float m = NEG;
+#pragma omp simd reduction(max : m)
           for (int64_t t = 0; t < T; ++t) m = std::max(m, xr[t]);
           float s = 0.f;
           if (m != NEG) {
@@ -549,6 +550,7 @@ std::vector<torch::Tensor> attend_impl(torch::Tensor rows, torch::Tensor keep, t
           float* x = sc.data() + r * T;
           pairs += T;
           float mb = NEG;
+#pragma omp simd reduction(max : mb)
           for (int64_t t = 0; t < T; ++t) mb = std::max(mb, x[t]);
           if (mb == NEG) continue;
           rv[nv++] = r;
