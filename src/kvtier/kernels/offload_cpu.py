@@ -17,6 +17,11 @@ compiled on first use.
 a host-RAM store's slab, or a buffer of records read from disk - from a table of key and value
 addresses, and merges the result with the resident part by log-sum-exp (online softmax).
 
+With AVX-512 and ``head_dim`` 64 both run block routines that score 16 tokens at a time (their
+partial dot products summed by one transposing reduction instead of one horizontal sum per token),
+share each token's loads among up to 4 query rows, and read records in their storage dtype
+without a converted copy; other shapes take plain loops the compiler vectorizes.
+
 The torch references are :func:`kvtier.offload.attention.select_two_level_torch` and
 :func:`kvtier.offload.attention.attend_blocks_torch`. :func:`available` is False when no C++
 compiler is present; callers then use the torch path.

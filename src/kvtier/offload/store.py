@@ -19,7 +19,10 @@ reserved up front with ``posix_fallocate`` (so a full disk fails with a clear er
 write that needs the space, never later through a ``SIGBUS`` on a mapped page), then mapped
 with ``mmap``. Every disk record carries a crc32 checksum, kept next to the compute and checked
 on every read. Files are removed by :meth:`BlockStore.close` or, at the latest, when the store
-is garbage-collected (``weakref.finalize``).
+is garbage-collected (``weakref.finalize``). A read of several runs first asks the OS to read all
+of them (:func:`readahead`, ``POSIX_FADV_WILLNEED``), so the device serves them in parallel rather
+than one page fault at a time; :meth:`BlockStore.file_ranges` gives the ranges for reading ahead
+of need (:mod:`kvtier.offload.prefetch`).
 
 Failures
 --------

@@ -96,6 +96,14 @@ inline __mmask16 bits16(const uint8_t* bits, int64_t t0) {
 #endif
 
 #if defined(__AVX512F__)
+// The lanes of w[0..3] (64 channels) whose bit is set in bm, summed per lane: w . bits = its hsum.
+inline __m512 masked_sum(const __m512 (&w)[4], uint64_t bm) {
+  __m512 acc = _mm512_maskz_mov_ps(__mmask16(bm), w[0]);
+  acc = _mm512_mask_add_ps(acc, __mmask16(bm >> 16), acc, w[1]);
+  acc = _mm512_mask_add_ps(acc, __mmask16(bm >> 32), acc, w[2]);
+  return _mm512_mask_add_ps(acc, __mmask16(bm >> 48), acc, w[3]);
+}
+
 // Sketch estimates of one block's T tokens for G rows (at most 4) of a 64-wide head:
 // x[g * T + t] = bias[g] + alpha[t] * (2 w_g . bits_t - wsum[g]) (-inf for invalid tokens), where
 // w_g . bits_t is the sum of w_g over the channels whose sign bit is set (masked adds, no unpacking;
@@ -112,13 +120,7 @@ inline void sketch64(const float* w, const float* bias, const float* wsum, const
     for (int u = 0; u < 16; ++u) {
       uint64_t bm;
       std::memcpy(&bm, codes + (t0 + u) * 8, 8);
-      const __mmask16 m0 = __mmask16(bm), m1 = __mmask16(bm >> 16), m2 = __mmask16(bm >> 32), m3 = __mmask16(bm >> 48);
-      for (int g = 0; g < G; ++g) {
-        __m512 acc = _mm512_maskz_mov_ps(m0, wv[g][0]);
-        acc = _mm512_mask_add_ps(acc, m1, acc, wv[g][1]);
-        acc = _mm512_mask_add_ps(acc, m2, acc, wv[g][2]);
-        part[g][hslot(u)] = _mm512_mask_add_ps(acc, m3, acc, wv[g][3]);
-      }
+      for (int g = 0; g < G; ++g) part[g][hslot(u)] = masked_sum(wv[g], bm);
     }
     const __m512 a = _mm512_loadu_ps(alpha + t0);
     const __mmask16 ok = bits16(okb, t0);
@@ -133,11 +135,7 @@ inline void sketch64(const float* w, const float* bias, const float* wsum, const
     uint64_t bm;
     std::memcpy(&bm, codes + t * 8, 8);
     for (int g = 0; g < G; ++g) {
-      __m512 acc = _mm512_maskz_mov_ps(__mmask16(bm), wv[g][0]);
-      acc = _mm512_mask_add_ps(acc, __mmask16(bm >> 16), acc, wv[g][1]);
-      acc = _mm512_mask_add_ps(acc, __mmask16(bm >> 32), acc, wv[g][2]);
-      acc = _mm512_mask_add_ps(acc, __mmask16(bm >> 48), acc, wv[g][3]);
-      const float dot = _mm512_reduce_add_ps(acc);
+      const float dot = _mm512_reduce_add_ps(masked_sum(wv[g], bm));
       x[g * T + t] = bit(okb, t) ? bias[g] + alpha[t] * (2.f * dot - wsum[g]) : NEG;
     }
   }
@@ -379,6 +377,21 @@ inline __m512 load16(const void* p) {
   }
 }
 
+// The 64 values of a token at p (dtype DT) as four vectors.
+template <int DT>
+inline void load64(const uint8_t* p, __m512 (&k)[4]) {
+  constexpr int64_t ES = DT == 2 ? 4 : 2;
+  for (int c = 0; c < 4; ++c) k[c] = load16<DT>(p + 16 * c * ES);
+}
+
+// q . k of 64-wide vectors held in four registers each: the per-lane partial sums.
+inline __m512 dot_partial(const __m512 (&q)[4], const __m512 (&k)[4]) {
+  __m512 a = _mm512_mul_ps(q[0], k[0]);
+  a = _mm512_fmadd_ps(q[1], k[1], a);
+  a = _mm512_fmadd_ps(q[2], k[2], a);
+  return _mm512_fmadd_ps(q[3], k[3], a);
+}
+
 // One block of a 64-wide head for the rows rk[0..nr) (at most 4): scores q . k of its T tokens
 // (invalid ones -inf) into sc[r * T + t], read from the record in its storage dtype (no converted
 // copy); 16 tokens' dot products reduced at once (hsum16).
@@ -393,31 +406,18 @@ inline void scores64(const float* qb, const int64_t* rk, const uint8_t* K, const
   const int64_t T16 = T / 16 * 16;
   for (int64_t t0 = 0; t0 < T16; t0 += 16) {
     for (int u = 0; u < 16; ++u) {
-      const uint8_t* kt = K + (t0 + u) * 64 * ES;
-      const __m512 k0 = load16<DT>(kt), k1 = load16<DT>(kt + 16 * ES);
-      const __m512 k2 = load16<DT>(kt + 32 * ES), k3 = load16<DT>(kt + 48 * ES);
-      for (int g = 0; g < G; ++g) {
-        __m512 a = _mm512_mul_ps(q[g][0], k0);
-        a = _mm512_fmadd_ps(q[g][1], k1, a);
-        a = _mm512_fmadd_ps(q[g][2], k2, a);
-        part[g][hslot(u)] = _mm512_fmadd_ps(q[g][3], k3, a);
-      }
+      __m512 k[4];
+      load64<DT>(K + (t0 + u) * 64 * ES, k);  // converted once for the G rows
+      for (int g = 0; g < G; ++g) part[g][hslot(u)] = dot_partial(q[g], k);
     }
     const __mmask16 ok = bits16(okb, t0);
     for (int g = 0; g < G; ++g)
       _mm512_storeu_ps(sc + rk[g] * T + t0, _mm512_mask_blend_ps(ok, _mm512_set1_ps(NEG), hsum16(part[g])));
   }
   for (int64_t t = T16; t < T; ++t) {
-    const uint8_t* kt = K + t * 64 * ES;
-    const __m512 k0 = load16<DT>(kt), k1 = load16<DT>(kt + 16 * ES);
-    const __m512 k2 = load16<DT>(kt + 32 * ES), k3 = load16<DT>(kt + 48 * ES);
-    for (int g = 0; g < G; ++g) {
-      __m512 a = _mm512_mul_ps(q[g][0], k0);
-      a = _mm512_fmadd_ps(q[g][1], k1, a);
-      a = _mm512_fmadd_ps(q[g][2], k2, a);
-      a = _mm512_fmadd_ps(q[g][3], k3, a);
-      sc[rk[g] * T + t] = bit(okb, t) ? _mm512_reduce_add_ps(a) : NEG;
-    }
+    __m512 k[4];
+    load64<DT>(K + t * 64 * ES, k);
+    for (int g = 0; g < G; ++g) sc[rk[g] * T + t] = bit(okb, t) ? _mm512_reduce_add_ps(dot_partial(q[g], k)) : NEG;
   }
 }
 
@@ -429,15 +429,11 @@ inline void values64(const int64_t* rk, const uint8_t* V, int64_t T, const float
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < 4; ++c) a[g][c] = _mm512_loadu_ps(acc + rk[g] * 64 + 16 * c);
   for (int64_t t = 0; t < T; ++t) {
-    const uint8_t* vt = V + t * 64 * ES;
-    const __m512 v0 = load16<DT>(vt), v1 = load16<DT>(vt + 16 * ES);
-    const __m512 v2 = load16<DT>(vt + 32 * ES), v3 = load16<DT>(vt + 48 * ES);
+    __m512 v[4];
+    load64<DT>(V + t * 64 * ES, v);
     for (int g = 0; g < G; ++g) {
       const __m512 w = _mm512_set1_ps(p[rk[g] * T + t]);
-      a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
-      a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);
-      a[g][2] = _mm512_fmadd_ps(w, v2, a[g][2]);
-      a[g][3] = _mm512_fmadd_ps(w, v3, a[g][3]);
+      for (int c = 0; c < 4; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
     }
   }
   for (int g = 0; g < G; ++g)
