@@ -224,7 +224,8 @@ def test_one_long_prompt_is_measured_with_its_queries(llama):
 
 def test_adaptive_warm_tier_is_coded_like_its_cold_tier():
     warm, _ = make_codecs(get_policy("adaptive"), 64)
-    assert isinstance(warm, MixedCodec) and (warm.key_bits, warm.value_bits, warm.rotate, warm.meta) == (3, 3, True, "fp8")
+    assert isinstance(warm, MixedCodec)
+    assert (warm.key_bits, warm.value_bits, warm.rotate, warm.meta) == (3, 3, True, "fp8")
     warm, _ = make_codecs(get_policy("default"), 64)  # fixed presets keep their 4-bit KIVI warm tier
     assert not isinstance(warm, MixedCodec) and warm.bits == 4
 
