@@ -593,7 +593,8 @@ def _adaptive() -> TierPolicy:
     # attention (the budget already removes what sparse attention would skip). Measured at 2.5 bits,
     # 4k, dracula (benchmarks/adaptive_ppl.py): a 3-bit rotated fp8 warm window +6.4 % where the
     # 4-bit one with fp16 scales costs +8.8 % (same held bytes); fit_tokens 2,048 +8.8 % at 2.43 bits
-    # where 4,096 costs +13.3 % at 2.47; an exact ring of 64 + 64 beats none (+10.0 %).
+    # where 4,096 costs +13.3 % at 2.47; an exact ring of 64 + 64 beats none (+10.0 %). Two books, 4k:
+    # bits=2.0 / 2.5 / 3.0 hold 1.95 / 2.43 / 2.95 bits for +21.9 / +7.1 / +3.4 %.
     return _default().replace(
         warm_tokens=None,
         warm_bits=3,
