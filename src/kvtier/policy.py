@@ -330,7 +330,8 @@ class TierPolicy:
     cold_meta : storage of a k-bit cold tier's parameters: ``"fp16"`` (scale and zero) or ``"fp8"``
         (e4m3 step and offset, half the bytes; :class:`~kvtier.cache.codecs.MixedCodec`).
     adaptive : an :class:`AdaptivePolicy` (a byte budget; cold widths per layer chosen from
-        measured errors, a budget-driven warm window) or None. Needs ``cold="quant"``.
+        measured errors, a budget-driven warm window) or None. Needs ``cold="quant"``. An integer
+        ``warm_bits`` is then coded like the cold tier (``cold_rotation``, ``cold_meta``).
     cold_rotation : randomized Hadamard rotation of K and V before the cold code, the 1-bit sign
         or the ``cold_bits`` k-bit one (default: on; on SmolLM2 it cuts the perplexity cost of the
         seed's 1-bit cold tier from +8.5% to +3.9%).
