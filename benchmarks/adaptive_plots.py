@@ -1,10 +1,11 @@
 """Results and plots of the adaptive-budget runs (``benchmarks/adaptive_ppl.py``).
 
-Converts ``benchmarks/results/adaptive-4k.json`` and ``adaptive-8k-v2.json`` into kvtier's results schema
-(``ppl-{4k,8k}-adaptive.json`` and ``fidelity-...``, which ``kvtier report`` reads), draws the Pareto
-plot (Δppl vs KV bytes per token) of the adaptive cache next to every preset and baseline measured
-on the same windows earlier (the full cache's perplexity is the same in every run: 30.270 / 25.665
-at 4k, 22.028 / 19.903 at 8k), and the allocation heat map of each adaptive cache.
+Converts the runs named in ``SOURCES`` (4k: ``adaptive-4k-v3-*.json``; 8k: ``adaptive-8k-v2.json``)
+into kvtier's results schema (``ppl-{4k,8k}-adaptive.json`` and ``fidelity-...``, which
+``kvtier report`` reads), draws the Pareto plot (Δppl vs KV bytes per token) of the adaptive cache
+next to every preset and baseline measured on the same windows earlier (the full cache's
+perplexity is the same in every run: 30.270 / 25.665 at 4k, 22.028 / 19.903 at 8k), and the
+allocation heat map of each adaptive cache.
 
     python benchmarks/adaptive_plots.py
 
@@ -32,16 +33,39 @@ EARLIER = {
     ],
 }
 LAYERS = 30
-SOURCES = {4096: "adaptive-4k.json", 8192: "adaptive-8k-v2.json"}  # the shipped (v2) allocator
+# runs of the shipped configuration (4k: v3, a 3-bit rotated warm window and fit_tokens 2,048, one file
+# per book and budget; 8k: the v2 configuration, 4-bit warm window, fit_tokens 8,192), and its warm width
+SOURCES = {
+    4096: (
+        [
+            "adaptive-4k-v3-dracula.json",
+            "adaptive-4k-v3-huckleberry_finn.json",
+            "adaptive-4k-v3-3.3-dracula.json",
+            "adaptive-4k-v3-3.3-huckleberry_finn.json",
+        ],
+        3,
+    ),
+    8192: (["adaptive-8k-v2.json"], 4),
+}
+
+
+def merged(files: list[str]) -> dict | None:
+    """The runs of ``files`` (``benchmarks/adaptive_ppl.py`` outputs) as one ``{"books": {book: {cache: row}}}``."""
+    books: dict = {}
+    for f in files:
+        if (RES / f).exists():
+            for book, caches in json.loads((RES / f).read_text())["books"].items():
+                books.setdefault(book, {}).update(caches)
+    return {"books": books} if books else None
 
 
 def main() -> None:
     summary = {}
     for L, tag in ((4096, "4k"), (8192, "8k")):
-        src = RES / SOURCES[L]
-        if not src.exists():
+        files, warm_bits = SOURCES[L]
+        doc = merged(files)
+        if doc is None:
             continue
-        doc = json.loads(src.read_text())
         rows, fid = [], []
         for book, caches in doc["books"].items():
             dense = caches["dynamic"]["kv_bytes"] / 2  # the full cache holds fp32: fp16 is half
@@ -66,7 +90,7 @@ def main() -> None:
                     per_layer = [
                         {
                             "layer": int(i),
-                            "widths": {"warm": [4, 4], "cold": kv},
+                            "widths": {"warm": [warm_bits, warm_bits], "cold": kv},
                             "tokens": {t: tokens.get(t, 0) // LAYERS for t in ("warm", "cold")},
                         }
                         for i, kv in r["allocation"].items()

@@ -211,6 +211,25 @@ def test_budget_holds_past_fit_tokens(llama, bits):
     assert "cold K/V bits" in table and len(table.splitlines()) == 5
 
 
+def test_one_long_prompt_is_measured_with_its_queries(llama):
+    # the first call attends to exact tokens only (plain SDPA); its queries must still be observed,
+    # or a prompt given in one call is allocated by the proxy alone
+    cache = kvtier.TieredCache(llama.config, _policy(5.0))
+    with kvtier.enable(llama), torch.no_grad():
+        llama(_ids(300, seed=1), cache=cache, use_cache=True)
+        llama(_ids(16, seed=2), cache=cache, use_cache=True)
+    (budget,) = cache.budgets.values()
+    assert budget.allocated and all(e.out_energy > 0 for e in budget.errors.values())
+
+
+def test_adaptive_warm_tier_is_coded_like_its_cold_tier():
+    warm, _ = make_codecs(get_policy("adaptive"), 64)
+    assert isinstance(warm, MixedCodec)
+    assert (warm.key_bits, warm.value_bits, warm.rotate, warm.meta) == (3, 3, True, "fp8")
+    warm, _ = make_codecs(get_policy("default"), 64)  # fixed presets keep their 4-bit KIVI warm tier
+    assert not isinstance(warm, MixedCodec) and warm.bits == 4
+
+
 def test_adaptive_fast_path_matches_reference(llama):
     ids = _ids(300, seed=5, batch=2)
     mask = torch.ones_like(ids)

@@ -230,16 +230,20 @@ class AdaptivePolicy:
     :mod:`kvtier.cache.adaptive`):
 
     * the first ``warmup_tokens`` tokens stay in the warm tier while every block that enters it is
-      also coded at each candidate width (keys and values apart) and its error measured, weighted
-      by what attention does with it (keys: the score error under the layer's observed queries,
-      times the spread of the values; values: their own error);
+      also coded at each candidate width (keys and values apart) and the error of the attention
+      output of the layer's latest queries over it measured (keys coded, then values coded);
     * then the cold widths of keys and values are chosen per layer by a rate-distortion rule:
       start every layer at the narrowest width and repeatedly widen the (layer, keys or values)
       with the largest measured error reduction per byte while the average cold rate stays within
       what ``bits`` leaves at ``fit_tokens`` tokens after the exact sinks and hot ring;
-    * from then on the warm window (``warm_bits``, recent tokens) is as long as the budget allows
-      at the current length: it grows with the context, and its oldest blocks step down to their
-      layer's cold widths when the budget is reached.
+    * from then on the warm window (``warm_bits``, recent tokens, coded like the cold tier: rotated,
+      ``meta`` parameters) is as long as the budget allows at the current length: it grows with
+      the context, and its oldest blocks step down to their layer's cold widths.
+
+    ``fit_tokens`` sets the trade between the two: a short one (the default 2,048) holds the
+    budget from there on with narrow cold codes and gives the slack of longer contexts to a long
+    recent window, which on SmolLM2 costs less than wider cold codes under a short window
+    (BENCHMARKS.md, "Adaptive precision under a byte budget").
 
     Attributes
     ----------
@@ -255,7 +259,7 @@ class AdaptivePolicy:
     widths: tuple[int, ...] = (1, 2, 3, 4)
     meta: str = "fp8"
     warmup_tokens: int = 512
-    fit_tokens: int = 8192
+    fit_tokens: int = 2048
 
     def __post_init__(self) -> None:
         _check(
@@ -326,7 +330,8 @@ class TierPolicy:
     cold_meta : storage of a k-bit cold tier's parameters: ``"fp16"`` (scale and zero) or ``"fp8"``
         (e4m3 step and offset, half the bytes; :class:`~kvtier.cache.codecs.MixedCodec`).
     adaptive : an :class:`AdaptivePolicy` (a byte budget; cold widths per layer chosen from
-        measured errors, a budget-driven warm window) or None. Needs ``cold="quant"``.
+        measured errors, a budget-driven warm window) or None. Needs ``cold="quant"``. An integer
+        ``warm_bits`` is then coded like the cold tier (``cold_rotation``, ``cold_meta``).
     cold_rotation : randomized Hadamard rotation of K and V before the cold code, the 1-bit sign
         or the ``cold_bits`` k-bit one (default: on; on SmolLM2 it cuts the perplexity cost of the
         seed's 1-bit cold tier from +8.5% to +3.9%).
@@ -587,9 +592,14 @@ def _offload_disk() -> TierPolicy:
 def _adaptive() -> TierPolicy:
     # A byte budget (2.5 bits per element by default; TieredCache(..., bits=) sets it): cold widths per
     # layer from measured errors, warm window from the budget (kvtier.cache.adaptive). Dense decode
-    # attention (the budget already removes what sparse attention would skip).
+    # attention (the budget already removes what sparse attention would skip). Measured at 2.5 bits,
+    # 4k, dracula (benchmarks/adaptive_ppl.py): a 3-bit rotated fp8 warm window +6.4 % where the
+    # 4-bit one with fp16 scales costs +8.8 % (same held bytes); fit_tokens 2,048 +8.8 % at 2.43 bits
+    # where 4,096 costs +13.3 % at 2.47; an exact ring of 64 + 64 beats none (+10.0 %). Two books, 4k:
+    # bits=2.0 / 2.5 / 3.0 hold 1.95 / 2.43 / 2.95 bits for +21.9 / +7.1 / +3.4 %.
     return _default().replace(
         warm_tokens=None,
+        warm_bits=3,
         cold_bits=2,
         cold_meta="fp8",
         sparse=None,
@@ -606,7 +616,7 @@ PRESETS: dict[str, _Preset] = {
     ),
     "adaptive": (
         "a byte budget (bits=2.5 per element, everything included): cold key and value widths per layer "
-        "from measured errors, 4-bit warm window as long as the budget allows",
+        "from measured errors, 3-bit rotated warm window as long as the budget allows",
         _adaptive,
     ),
     "max-compression": ("hot 128 exact, warm 1,024 at 4 bits, cold 1-bit signs, 32 sinks", _max_compression),

@@ -189,8 +189,8 @@ def layer_estimate(
     capacity = 0 if not n else bound if n >= bound else hot_capacity(n, bound)
     blocks = hot_start // T
     warm_cap = blocks if policy.warm_tokens is None else min(blocks, policy.warm_tokens // T)
-    if budget is not None:
-        warm_cap = int(min(warm_cap, budget.warm_blocks(n, blocks, planned=True)))
+    if budget is not None:  # sized when the last block left the hot window (one token at a time: here)
+        warm_cap = int(min(warm_cap, budget.warm_blocks(hot_start + policy.hot_tokens, blocks, planned=True)))
     cold_blocks = blocks - warm_cap
     warm_codec, cold_codec = make_codecs(policy, D)
     nbytes = {"sink": 0, "hot": 2 * B * H * capacity * D * elt, "warm": 0, "cold": 0}

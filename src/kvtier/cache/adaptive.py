@@ -269,7 +269,7 @@ class Budget:
         g = value_group(self.policy, s.dim)
         m = META_DTYPES[self.adaptive.meta].itemsize
         meta = (2 * m * s.batch * s.heads * s.dim) / T + 2 * m * s.batch * s.heads * (s.dim // g) + s.batch
-        warm, _ = make_codecs(self.policy.replace(adaptive=None, cold="evict", cold_meta="fp16"), s.dim)
+        warm, _ = make_codecs(self.policy, s.dim)
         warm_rate = warm.nbytes(s.batch, s.heads, 1, T, s.dim) / T + s.batch
         return meta * s.layers, warm_rate * s.layers
 
