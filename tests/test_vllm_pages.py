@@ -196,12 +196,25 @@ def fused_bf16(*args, out):  # noqa: ANN002, ANN001, ANN201
 
 fused_bf16.bf16_out = True
 
+
+def fused_split(*args):  # noqa: ANN002, ANN201
+    """The fused path with 8 threads: fewer (request, head) tasks than 2 x threads, so the kernel splits
+    each request's packed blocks across tasks and merges their softmax states."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        return attend_layer_fused(*args)
+    finally:
+        torch.set_num_threads(old)
+
+
 _NO_KERNEL = pytest.mark.skipif(not vllm_paged_cpu.available(), reason="no C++ build")
 ATTEND = [
     attend_layer,
     pytest.param(attend_layer_fused, marks=_NO_KERNEL),
     pytest.param(fused_only, marks=_NO_KERNEL),
     pytest.param(fused_bf16, marks=_NO_KERNEL),
+    pytest.param(fused_split, marks=_NO_KERNEL),
 ]
 
 

@@ -275,26 +275,44 @@ void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Ten
   const int64_t side_row = 2 * H * D;  // one token of a side slot: [2, H, D]
   const float sc = static_cast<float>(scale);
 
-  at::parallel_for(0, nreq * H, 1, [&](int64_t begin, int64_t end) {
+  // Tasks: (request, kv head, split of its packed blocks). With fewer (request, head) pairs than
+  // twice the threads, a request's blocks are split so every thread has work; each split keeps its
+  // own softmax state (the last one also takes the exact rows) and the splits merge at the end.
+  const int64_t threads = at::get_num_threads();
+  const int64_t want = nreq * H >= 2 * threads ? 1 : (2 * threads + nreq * H - 1) / (nreq * H);
+  std::vector<int64_t> nsplit(nreq), first(nreq + 1, 0), rows_at(nreq + 1, 0);
+  for (int64_t r = 0; r < nreq; ++r) {
+    nsplit[r] = std::max<int64_t>(1, std::min<int64_t>(want, ps[r + 1] - ps[r]));
+    first[r + 1] = first[r] + nsplit[r] * H;
+    rows_at[r + 1] = rows_at[r] + (nsplit[r] > 1 ? nsplit[r] * H * (rq[6 * r + 1] - rq[6 * r]) * G : 0);
+  }
+  // partial softmax states of split requests: m, l [rows], acc [rows, D]
+  std::vector<float> pm(rows_at[nreq]), pl(rows_at[nreq]), pacc(rows_at[nreq] * D);
+
+  at::parallel_for(0, first[nreq], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, qsc, qz, kf(D), vf(D);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / H, h = task % H;
+      const int64_t r = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+      const int64_t local = task - first[r], h = local % H, split = local / H, ns = nsplit[r];
       const int64_t* e = rq + 6 * r;  // qs, qe, side slot, side rows, head block, head rows
       const int64_t q0 = e[0], qn = e[1] - e[0], slot = e[2], nside = e[3], hblock = e[4], hrows = e[5];
       if (qn == 0) continue;
       const int64_t R = qn * G;  // row = i * G + g
+      const bool last = split == ns - 1;
       Rows st(R, D, T);
       qf.resize(R * D);
       qsc.assign(R * D, 0.f);
       qz.assign(R, 0.f);
       for (int64_t row = 0; row < R; ++row)
         load_row(qp + (q0 + row / G) * qs0 + (h * G + row % G) * qs1, qf.data() + row * D, D, sc);
-      // ---- packed blocks, then the first rows of a cached block read in part ----
-      for (int64_t bi = ps[r]; bi < ps[r + 1]; ++bi)
+      // ---- this split's packed blocks, then the first rows of a cached block read in part ----
+      const int64_t nb = ps[r + 1] - ps[r];
+      for (int64_t bi = ps[r] + split * nb / ns; bi < ps[r] + (split + 1) * nb / ns; ++bi)
         attend_page<scalar_t>(L, pg + pid[bi] * L.page, h, T, qf.data(), st, qsc, qz, kf, vf);
-      if (hrows > 0) attend_page<scalar_t>(L, pg + hblock * L.page, h, hrows, qf.data(), st, qsc, qz, kf, vf);
+      if (last && hrows > 0)
+        attend_page<scalar_t>(L, pg + hblock * L.page, h, hrows, qf.data(), st, qsc, qz, kf, vf);
       // ---- exact rows: side rows, then the new tokens; causal over the last qn ----
-      const int64_t ne = nside + qn;
+      const int64_t ne = last ? nside + qn : 0;
       auto krow = [&](int64_t j) {
         return j < nside ? sp + (slot * T + j) * side_row + h * D : kp + (q0 + j - nside) * ks0 + h * ks1;
       };
@@ -323,12 +341,43 @@ void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Ten
           st.add_value(n, t, vf.data());
         }
       }
+      if (ns > 1) {  // keep this split's state for the merge
+        const int64_t base = rows_at[r] + (split * H + h) * R;
+        std::copy(st.m.begin(), st.m.end(), pm.begin() + base);
+        std::copy(st.l.begin(), st.l.end(), pl.begin() + base);
+        std::copy(st.acc.begin(), st.acc.end(), pacc.begin() + base * D);
+        continue;
+      }
       for (int64_t row = 0; row < R; ++row) {
         const float inv = st.l[row] > 0.f ? 1.f / st.l[row] : 0.f;
         store_row(st.acc.data() + row * D, op + (q0 + row / G) * os0 + (h * G + row % G) * os1, D, inv);
       }
     }
   });
+  // ---- merge the splits: out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) ----
+  std::vector<float> acc(D);
+  for (int64_t r = 0; r < nreq; ++r) {
+    const int64_t ns = nsplit[r], q0 = rq[6 * r], R = (rq[6 * r + 1] - q0) * G;
+    if (ns == 1) continue;
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t row = 0; row < R; ++row) {
+        float M = -kInf;
+        for (int64_t sp_ = 0; sp_ < ns; ++sp_) M = std::max(M, pm[rows_at[r] + (sp_ * H + h) * R + row]);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float l = 0.f;
+        for (int64_t sp_ = 0; sp_ < ns && M > -kInf; ++sp_) {
+          const int64_t i = rows_at[r] + (sp_ * H + h) * R + row;
+          if (pm[i] == -kInf) continue;
+          const float w = std::exp(pm[i] - M);
+          l += pl[i] * w;
+          const float* a = pacc.data() + i * D;
+          for (int64_t d = 0; d < D; ++d) acc[d] += a[d] * w;
+        }
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        store_row(acc.data(), op + (q0 + row / G) * os0 + (h * G + row % G) * os1, D, inv);
+      }
+    }
+  }
 }
 
 // kvtier.quant.fit_scale_zero for one group: fp16 bits of (scale, zero) from fp32 min / max
