@@ -15,7 +15,12 @@ tensors ``[slots, T, 2, H, D]``; :func:`plan_step` turns one step's metadata int
 :class:`StepPlan` (pure Python over lists, run once per step, shared by every layer);
 :func:`attend_layer` and :func:`update_layer` run one layer of it in plain torch (decode the
 request's pages, one SDPA call per request; the oracle every faster path is tested against).
-May import torch and :mod:`.pages`; never vLLM.
+:func:`attend_layer_fused` and :func:`update_layer_fused` are the same in one C++ call each
+(:mod:`kvtier.kernels.vllm_paged_cpu`, index tensors made once per step by :func:`kernel_index`):
+decode requests over the pages, the side buffer and the new K/V read in place, vLLM's output
+written in place; blocks packed and side rows written in C++. Prefill chunks go through the torch
+path here, or through vLLM's own kernels in the backend (:mod:`.prefill`).
+May import torch, :mod:`.pages` and (lazily) :mod:`kvtier.kernels.vllm_paged_cpu`; never vLLM.
 """
 
 from __future__ import annotations
