@@ -305,3 +305,23 @@ def test_fused_update_packs_encode_bytes(policy: PagePolicy, dtype: torch.dtype)
     update_layer_fused(fmt, plan, pages, side, key, value)
     assert torch.equal(pages[[5, 1, 3]], ref[[5, 1, 3]])
     assert torch.equal(side, side_ref)
+
+
+@_NO_KERNEL
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("policy", [PagePolicy(block_size=32), PagePolicy(block_size=64, sink_tokens=3, key_group=32)])
+def test_decode_rows_is_page_decode(policy: PagePolicy, dtype: torch.dtype) -> None:
+    """The C++ page decoder gives PageFormat.decode's values in the model dtype, token-major."""
+    from kvtier.vllm.prefill import decode_rows
+
+    torch.manual_seed(4)
+    fmt = PageFormat(policy, H, D, dtype)
+    T = policy.block_size
+    k = (torch.randn(5, H, T, D) * torch.linspace(0.01, 8, D)).to(dtype)
+    v = torch.randn(5, H, T, D).to(dtype)
+    pages = fmt.encode(k, v)
+    kd, vd = decode_rows(fmt, pages, [3, 0, 4], dtype)
+    kr, vr = fmt.decode(pages[[3, 0, 4]], dtype)
+    assert torch.equal(kd, kr.transpose(1, 2).reshape(-1, H, D)) and torch.equal(
+        vd, vr.transpose(1, 2).reshape(-1, H, D)
+    )

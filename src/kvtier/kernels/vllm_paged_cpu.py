@@ -1,5 +1,5 @@
 """CPU kernels over kvtier's packed vLLM pages with block tables: one attention call and one update
-call per layer and step.
+call per layer and step, and a page decoder for prefill chunks.
 
 :func:`attend`: each (request, KV head) task runs an online softmax over the request's packed blocks
 (4-bit keys per channel and values per token, read straight from vLLM's pages, never dequantized to
@@ -7,10 +7,11 @@ memory) and then over its exact rows, read in place in the model dtype (the side
 its partly filled block, then the step's new K/V, causal); the output goes straight into the
 caller's tensor. :func:`update`: packs the blocks a step fills (the bytes of
 :meth:`kvtier.vllm.pages.PageFormat.encode`, 4-bit) and writes the other new tokens into the side
-buffer. The torch references are :func:`kvtier.vllm.paged.attend_layer` and
-:func:`~kvtier.vllm.paged.update_layer`. The C++ is ``csrc/vllm_paged_attention.cpp``, built by
-:mod:`kvtier.kernels.build`; when that fails :func:`available` is False and callers use the torch
-path. Imports only torch and ``.build``.
+buffer. :func:`decode`: whole pages into token-major rows of the model dtype. The torch references
+are :func:`kvtier.vllm.paged.attend_layer`, :func:`~kvtier.vllm.paged.update_layer` and
+:meth:`~kvtier.vllm.pages.PageFormat.decode`. The C++ is ``csrc/vllm_paged_attention.cpp``, built
+by :mod:`kvtier.kernels.build`; when that fails :func:`available` is False and callers use the
+torch path. Imports only torch and ``.build``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def _module():
     return build.load(
         "kvtier_vllm_paged_v4",
         "vllm_paged_attention.cpp",
-        ["vllm_paged_attend", "vllm_paged_update"],
+        ["vllm_paged_attend", "vllm_paged_update", "vllm_paged_decode"],
         ("-fno-math-errno",),
     )
 
@@ -76,3 +77,9 @@ def update(
     ``side rows`` tokens from ``side[slot]``, the rest from ``key, value [first:]``) into 4-bit
     pages, then copy new token ``writes[i, 1]`` into side row ``writes[i, 0]`` (``slot * T + offset``)."""
     _module().vllm_paged_update(pages, side, key, value, enc, writes, layout)
+
+
+def decode(pages: torch.Tensor, pids: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: list[int]) -> None:
+    """Write the 4-bit pages ``pages[pids]`` decoded, token-major, into ``key, value [len(pids) * T, H, D]``
+    (contiguous, model dtype): :meth:`kvtier.vllm.pages.PageFormat.decode` in that dtype, transposed."""
+    _module().vllm_paged_decode(pages, pids, key, value, layout)

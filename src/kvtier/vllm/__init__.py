@@ -15,7 +15,8 @@ vLLM's ``OffloadingConnector`` keeps its scheduler logic and loads kvtier's out-
 codecs into a :class:`~kvtier.vllm.store.PrefixStore` (:mod:`.store`: byte budget, step-down LRU,
 write-through block files with crc32; :mod:`.blocks`: the record format; :mod:`.policy`: what is
 kept). This package owns all of it and may import torch, vLLM (only :mod:`.spec`,
-:mod:`.backend` and :class:`.prefill.VllmPrefill` when made, and :func:`kv_transfer_config` / :func:`attention_backend` when called),
+:mod:`.backend`, :class:`.prefill.VllmPrefill` when made, and :func:`kv_transfer_config` /
+:func:`attention_backend` when called),
 ``kvtier.cache.codecs``, ``kvtier.quant``, ``kvtier.errors``, ``kvtier.kernels``; never
 transformers or ``kvtier.hf``. ``import kvtier`` never imports this package.
 """

@@ -39,6 +39,20 @@ class PrefillPlan:
     scheduler_metadata: torch.Tensor
 
 
+def decode_rows(fmt: PageFormat, pages: torch.Tensor, ids: list[int], dtype: torch.dtype):  # noqa: ANN201
+    """Token-major ``k, v [len(ids) * T, H, D]`` in ``dtype`` of pages ``ids``: the C++ decoder
+    (:func:`kvtier.kernels.vllm_paged_cpu.decode`, 4-bit) or :meth:`PageFormat.decode` (the same values)."""
+    from ..kernels import vllm_paged_cpu
+
+    n, T, H, D = len(ids), fmt.tokens, fmt.heads, fmt.head_dim
+    if fmt.policy.bits == 4 and vllm_paged_cpu.available():
+        k, v = torch.empty(n * T, H, D, dtype=dtype), torch.empty(n * T, H, D, dtype=dtype)
+        vllm_paged_cpu.decode(pages, torch.tensor(ids, dtype=torch.long), k, v, fmt.layout())
+        return k, v
+    k, v = fmt.decode(pages[torch.tensor(ids)], dtype)  # [n, H, T, D]
+    return k.transpose(1, 2).reshape(-1, H, D), v.transpose(1, 2).reshape(-1, H, D)
+
+
 class VllmPrefill:
     """Prefill chunks of one engine through vLLM's CPU attention (see the module docstring)."""
 
@@ -105,10 +119,10 @@ class VllmPrefill:
         k, v = key[req.qs : req.qe], value[req.qs : req.qe]
         if p.context:  # the earlier tokens, token-major [context, H, D] in model dtype, then the chunk
             ks, vs = [], []
-            if req.packed:
-                kd, vd = fmt.decode(pages[torch.tensor(req.packed)], self.dtype)  # [p, H, T, D]
-                ks.append(kd.transpose(1, 2).reshape(-1, self.H, self.D))
-                vs.append(vd.transpose(1, 2).reshape(-1, self.H, self.D))
+            if req.packed:  # [p * T, H, D]
+                kd, vd = decode_rows(fmt, pages, req.packed, self.dtype)
+                ks.append(kd)
+                vs.append(vd)
             if req.head_rows:
                 kd, vd = fmt.decode(pages[req.head_block : req.head_block + 1], self.dtype)
                 ks.append(kd[0, :, : req.head_rows].transpose(0, 1))

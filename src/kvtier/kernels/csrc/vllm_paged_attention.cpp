@@ -5,6 +5,8 @@
 //   filled block, then the step's new K/V (causal). Output written straight into vLLM's output.
 // vllm_paged_update: packs the blocks this step fills (4-bit KIVI page, the bytes of
 //   PageFormat.encode) and writes the other new tokens into the side buffer.
+// vllm_paged_decode: whole pages decoded into token-major rows of the model dtype (prefill chunks
+//   attend them through vLLM's own kernels: kvtier/vllm/prefill.py).
 //
 // Page of one block (byte offsets given by the caller): kscale/kzero fp16 [H, T/kg, D],
 // vscale/vzero fp16 [H, T, D/vg], sink [H, s, 2, D] (model dtype), kcodes/vcodes uint8 [H, T, D/2]
@@ -483,6 +485,48 @@ void update_impl(const Layout& L, torch::Tensor pages, torch::Tensor side, torch
   }
 }
 
+// Decode whole pages into token-major rows of the model dtype: PageFormat.decode(pages, dtype), the
+// same fp32 operations ((c - z) * s, then rounded once), written at out[i * T + t, h, :].
+template <typename scalar_t>
+void decode_impl(const Layout& L, torch::Tensor pages, torch::Tensor pids, torch::Tensor ko, torch::Tensor vo) {
+  const int64_t H = L.H, D = L.D, T = L.T, s = L.s, nkg = T / L.kg, nvg = D / L.vg, cb = D / 2;
+  const uint8_t* pg = pages.data_ptr<uint8_t>();
+  const int64_t* pid = pids.data_ptr<int64_t>();
+  scalar_t* kp = ko.data_ptr<scalar_t>();
+  scalar_t* vp = vo.data_ptr<scalar_t>();
+  at::parallel_for(0, pids.size(0) * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / H, h = task % H;
+      const uint8_t* page = pg + pid[i] * L.page;
+      const uint16_t* ks = reinterpret_cast<const uint16_t*>(page + L.kscale) + h * nkg * D;
+      const uint16_t* kz = reinterpret_cast<const uint16_t*>(page + L.kzero) + h * nkg * D;
+      const uint16_t* vs = reinterpret_cast<const uint16_t*>(page + L.vscale) + h * T * nvg;
+      const uint16_t* vz = reinterpret_cast<const uint16_t*>(page + L.vzero) + h * T * nvg;
+      const scalar_t* sk = reinterpret_cast<const scalar_t*>(page + L.sink) + h * s * 2 * D;
+      const uint8_t* kc = page + L.kcodes + h * T * cb;
+      const uint8_t* vc = page + L.vcodes + h * T * cb;
+      for (int64_t t = 0; t < T; ++t) {
+        scalar_t* kr = kp + ((i * T + t) * H + h) * D;
+        scalar_t* vr = vp + ((i * T + t) * H + h) * D;
+        if (t < s) {
+          std::memcpy(kr, sk + t * 2 * D, D * sizeof(scalar_t));
+          std::memcpy(vr, sk + t * 2 * D + D, D * sizeof(scalar_t));
+          continue;
+        }
+        const int64_t g = t / L.kg;
+        for (int64_t d = 0; d < D; ++d) {
+          const float ck = static_cast<float>((kc[t * cb + d / 2] >> (4 * (d & 1))) & 15);
+          const float cv = static_cast<float>((vc[t * cb + d / 2] >> (4 * (d & 1))) & 15);
+          const float k = (ck - half_to_float(kz[g * D + d])) * half_to_float(ks[g * D + d]);
+          const float v = (cv - half_to_float(vz[t * nvg + d / L.vg])) * half_to_float(vs[t * nvg + d / L.vg]);
+          kr[d] = static_cast<scalar_t>(k);
+          vr[d] = static_cast<scalar_t>(v);
+        }
+      }
+    }
+  });
+}
+
 void check_rows(const torch::Tensor& x, const char* what, at::ScalarType dtype) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.scalar_type() == dtype, what,
               ": [N, heads, D] with contiguous rows in the model dtype");
@@ -549,4 +593,21 @@ void vllm_paged_update(
   check_index(writes, "writes", 2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "vllm_paged_update",
                                   [&] { update_impl<scalar_t>(L, pages, side, key, value, enc, writes); });
+}
+
+void vllm_paged_decode(
+    torch::Tensor pages,      // uint8 [B, page]
+    torch::Tensor pids,       // int64 [n]: pages to decode
+    torch::Tensor key,        // [n * T, H, D] contiguous, model dtype: written
+    torch::Tensor value,      // [n * T, H, D]
+    std::vector<int64_t> lay  // as vllm_paged_attend; 4-bit pages
+) {
+  const Layout L = read_layout(lay);
+  const auto dt = key.scalar_type();
+  TORCH_CHECK(key.is_contiguous() && value.is_contiguous() && value.scalar_type() == dt, "key, value: contiguous");
+  TORCH_CHECK(key.numel() == pids.numel() * L.T * L.H * L.D && value.numel() == key.numel(), "key, value: [n * T, H, D]");
+  TORCH_CHECK(pages.is_contiguous() && pages.size(1) == L.page, "pages: contiguous [B, page]");
+  check_index(pids, "pids", 0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "vllm_paged_decode",
+                                  [&] { decode_impl<scalar_t>(L, pages, pids, key, value); });
 }
