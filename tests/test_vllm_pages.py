@@ -320,8 +320,8 @@ def test_decode_rows_is_page_decode(policy: PagePolicy, dtype: torch.dtype) -> N
     k = (torch.randn(5, H, T, D) * torch.linspace(0.01, 8, D)).to(dtype)
     v = torch.randn(5, H, T, D).to(dtype)
     pages = fmt.encode(k, v)
-    kd, vd = decode_rows(fmt, pages, [3, 0, 4], dtype)
-    kr, vr = fmt.decode(pages[[3, 0, 4]], dtype)
-    assert torch.equal(kd, kr.transpose(1, 2).reshape(-1, H, D)) and torch.equal(
-        vd, vr.transpose(1, 2).reshape(-1, H, D)
-    )
+    for out_dtype in (dtype, torch.float32):  # the model dtype, and fp32 (prefill chunks over packed blocks)
+        kd, vd = decode_rows(fmt, pages, [3, 0, 4], out_dtype)
+        kr, vr = fmt.decode(pages[[3, 0, 4]], out_dtype)
+        assert kd.dtype == out_dtype and torch.equal(kd, kr.transpose(1, 2).reshape(-1, H, D))
+        assert torch.equal(vd, vr.transpose(1, 2).reshape(-1, H, D))

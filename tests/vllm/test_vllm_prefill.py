@@ -63,10 +63,10 @@ def test_prefill_through_vllm_matches_torch_reference(policy: PagePolicy) -> Non
         for p in plans:
             pre.attend(fmt, p, pages, layer, q, k, v, D**-0.5, out)
         err = (out.float() - ref).abs()
-        # bf16: the output's rounding, the decoded K/V rounded to bf16, vLLM's bf16 probabilities
-        tol = 2**-7 * ref.abs() + 2**-7 * ref.abs().amax()
+        # the bf16 output's rounding on top of fp32 error (chunks over packed blocks run in fp32)
+        tol = 2e-5 + 2**-8 * ref.abs()
         assert (err <= tol).all(), (i, err.max().item(), ref.abs().amax().item())
-        worst = max(worst, (err / ref.abs().amax()).max().item())
+        worst = max(worst, err.max().item())
         update_layer_fused(fmt, plan, pages, layer, k, v)
         for n in names:
             done[n] += sched[n]

@@ -79,7 +79,15 @@ def update(
     _module().vllm_paged_update(pages, side, key, value, enc, writes, layout)
 
 
-def decode(pages: torch.Tensor, pids: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: list[int]) -> None:
-    """Write the 4-bit pages ``pages[pids]`` decoded, token-major, into ``key, value [len(pids) * T, H, D]``
-    (contiguous, model dtype): :meth:`kvtier.vllm.pages.PageFormat.decode` in that dtype, transposed."""
-    _module().vllm_paged_decode(pages, pids, key, value, layout)
+def decode(
+    pages: torch.Tensor,
+    pids: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dtype: torch.dtype,
+    layout: list[int],
+) -> None:
+    """Write the 4-bit pages ``pages[pids]`` of model dtype ``dtype`` decoded, token-major, into
+    ``key, value [len(pids) * T, H, D]`` (contiguous, fp32 or ``dtype``):
+    :meth:`kvtier.vllm.pages.PageFormat.decode` in that dtype, transposed."""
+    _module().vllm_paged_decode(pages, pids, key, value, torch.empty(0, dtype=dtype), layout)

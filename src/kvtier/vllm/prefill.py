@@ -9,8 +9,9 @@ side slot or of a cached block read in part, then the chunk itself, through vLLM
 the request's rows of the output in place. The plan (block table, lengths, vLLM's scheduler
 metadata) is made once per step (:meth:`VllmPrefill.plan`) and shared by every layer.
 
-The earlier blocks' decoded keys and values are rounded to the model dtype before vLLM's kernel
-reads them (the plain-torch reference :func:`kvtier.vllm.paged.attend_layer` keeps them fp32).
+A chunk without packed earlier blocks runs in the model dtype (its keys and values are the model's
+own, exact); one that reads packed blocks runs in fp32, since their decoded values are not values
+of the model dtype (rounding them to bf16 cost +0.015-0.02 nats on the next 64 tokens after 3k).
 Imports vLLM's ops (lazily, in :class:`VllmPrefill`), torch and :mod:`.paged` / :mod:`.pages`;
 used by :mod:`.backend` only, tested against the torch reference in tests/vllm.
 """
@@ -32,6 +33,7 @@ class PrefillPlan:
     req: RequestPlan
     context: int  # tokens before the chunk
     blocks: int
+    dtype: torch.dtype  # of the scratch pages and vLLM's kernel: fp32 when packed blocks are read
     query_start_loc: torch.Tensor  # int32 [2]
     seq_lens: torch.Tensor  # int32 [1]
     block_table: torch.Tensor  # int32 [1, blocks]
@@ -45,9 +47,9 @@ def decode_rows(fmt: PageFormat, pages: torch.Tensor, ids: list[int], dtype: tor
     from ..kernels import vllm_paged_cpu
 
     n, T, H, D = len(ids), fmt.tokens, fmt.heads, fmt.head_dim
-    if fmt.policy.bits == 4 and vllm_paged_cpu.available():
+    if fmt.policy.bits == 4 and dtype in (fmt.dtype, torch.float32) and vllm_paged_cpu.available():
         k, v = torch.empty(n * T, H, D, dtype=dtype), torch.empty(n * T, H, D, dtype=dtype)
-        vllm_paged_cpu.decode(pages, torch.tensor(ids, dtype=torch.long), k, v, fmt.layout())
+        vllm_paged_cpu.decode(pages, torch.tensor(ids, dtype=torch.long), k, v, fmt.dtype, fmt.layout())
         return k, v
     k, v = fmt.decode(pages[torch.tensor(ids)], dtype)  # [n, H, T, D]
     return k.transpose(1, 2).reshape(-1, H, D), v.transpose(1, 2).reshape(-1, H, D)
@@ -63,8 +65,8 @@ class VllmPrefill:
 
         self.ops, self.split_kv = ops, bool(envs.VLLM_CPU_ATTN_SPLIT_KV)
         self.Hq, self.H, self.D, self.T, self.dtype = num_heads, num_kv_heads, head_dim, block_size, dtype
-        self.isa = _get_attn_isa(dtype, block_size, head_dim, "auto")
-        self._scratch = torch.empty(0, num_kv_heads, block_size, 2 * head_dim, dtype=dtype)
+        self.isa = {dt: _get_attn_isa(dt, block_size, head_dim, "auto") for dt in {dtype, torch.float32}}
+        self._scratch = {dt: torch.empty(0, num_kv_heads, block_size, 2 * head_dim, dtype=dt) for dt in self.isa}
 
     def plan(self, plan: StepPlan) -> list[PrefillPlan]:
         """The prefill requests of ``plan`` (those the fused kernel leaves: ``kernel_index(plan)["rest"]``)."""
@@ -74,6 +76,8 @@ class VllmPrefill:
             n = req.qe - req.qs
             L = c + n
             blocks = -(-L // self.T)
+            # with packed earlier blocks, fp32: their decoded values are not values of the model dtype
+            dtype = torch.float32 if req.packed or req.head_rows else self.dtype
             qsl = torch.tensor([0, n], dtype=torch.int32)
             seq = torch.tensor([L], dtype=torch.int32)
             meta = self.ops.cpu_attn_get_scheduler_metadata(
@@ -82,24 +86,25 @@ class VllmPrefill:
                 num_kv_heads=self.H,
                 head_dim=self.D,
                 seq_lens=seq,
-                dtype=self.dtype,
+                dtype=dtype,
                 query_start_loc=qsl,
                 causal=True,
                 sliding_window_size=-1,
-                isa=self.isa,
+                isa=self.isa[dtype],
                 enable_kv_split=self.split_kv,
             )
             table = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
-            out.append(PrefillPlan(req, c, blocks, qsl, seq, table, torch.arange(L, dtype=torch.long), meta))
+            slots = torch.arange(L, dtype=torch.long)
+            out.append(PrefillPlan(req, c, blocks, dtype, qsl, seq, table, slots, meta))
         return out
 
-    def scratch(self, blocks: int) -> torch.Tensor:
+    def scratch(self, blocks: int, dtype: torch.dtype) -> torch.Tensor:
         """``[blocks, H, T, 2 * D]`` scratch pages (grown on demand, shared by every layer and request).
         Zeroed when made: vLLM's kernel reads a last block's rows past the sequence (masked, but a
         NaN there would still reach the output), so they must always hold finite values."""
-        if self._scratch.shape[0] < blocks:
-            self._scratch = torch.zeros(blocks, self.H, self.T, 2 * self.D, dtype=self.dtype)
-        return self._scratch[:blocks]
+        if self._scratch[dtype].shape[0] < blocks:
+            self._scratch[dtype] = torch.zeros(blocks, self.H, self.T, 2 * self.D, dtype=dtype)
+        return self._scratch[dtype][:blocks]
 
     @torch.no_grad()
     def attend(
@@ -115,31 +120,32 @@ class VllmPrefill:
         out: torch.Tensor,
     ) -> None:
         """Write ``out[qs:qe]`` (``[N, Hq, D]``, model dtype) of prefill request ``p`` of this layer."""
-        req = p.req
-        k, v = key[req.qs : req.qe], value[req.qs : req.qe]
-        if p.context:  # the earlier tokens, token-major [context, H, D] in model dtype, then the chunk
+        req, dt = p.req, p.dtype
+        q, k, v = query[req.qs : req.qe], key[req.qs : req.qe], value[req.qs : req.qe]
+        if p.context:  # the earlier tokens, token-major [context, H, D], then the chunk
             ks, vs = [], []
             if req.packed:  # [p * T, H, D]
-                kd, vd = decode_rows(fmt, pages, req.packed, self.dtype)
+                kd, vd = decode_rows(fmt, pages, req.packed, dt)
                 ks.append(kd)
                 vs.append(vd)
             if req.head_rows:
-                kd, vd = fmt.decode(pages[req.head_block : req.head_block + 1], self.dtype)
+                kd, vd = fmt.decode(pages[req.head_block : req.head_block + 1], dt)
                 ks.append(kd[0, :, : req.head_rows].transpose(0, 1))
                 vs.append(vd[0, :, : req.head_rows].transpose(0, 1))
             if req.side_rows:
-                rows = side[req.side_slot, : req.side_rows]  # [n, 2, H, D]
+                rows = side[req.side_slot, : req.side_rows].to(dt)  # [n, 2, H, D]
                 ks.append(rows[:, 0])
                 vs.append(rows[:, 1])
-            k, v = torch.cat([*ks, k]), torch.cat([*vs, v])
-        cache = self.scratch(p.blocks).view(p.blocks, self.H, 2 * self.T, self.D)
+            k, v = torch.cat([*ks, k.to(dt)]), torch.cat([*vs, v.to(dt)])
+        cache = self.scratch(p.blocks, dt).view(p.blocks, self.H, 2 * self.T, self.D)
         kc, vc = cache.chunk(2, dim=2)
-        self.ops.cpu_attn_reshape_and_cache(k, v, kc, vc, p.slots, self.isa)
+        self.ops.cpu_attn_reshape_and_cache(k, v, kc, vc, p.slots, self.isa[dt])
+        o = out[req.qs : req.qe] if dt == out.dtype else torch.empty(q.shape, dtype=dt)
         self.ops.cpu_attention_with_kv_cache(
-            query=query[req.qs : req.qe],
+            query=q.to(dt),
             key_cache=kc,
             value_cache=vc,
-            output=out[req.qs : req.qe],
+            output=o,
             query_start_loc=p.query_start_loc,
             seq_lens=p.seq_lens,
             scale=scale,
@@ -151,3 +157,5 @@ class VllmPrefill:
             scheduler_metadata=p.scheduler_metadata,
             s_aux=None,
         )
+        if o.data_ptr() != out[req.qs : req.qe].data_ptr():
+            out[req.qs : req.qe] = o

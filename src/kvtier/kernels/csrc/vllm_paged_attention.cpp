@@ -138,14 +138,22 @@ struct Rows {
       m[r] = mx;
     }
   }
-  // acc[row] += p[row * n + t] * v for every row
-  void add_value(int64_t n, int64_t t, const float* v) {
+  // acc[row] += sum_t p[row * n + t] * v[t * D:] for every row (v: n rows of D floats); the
+  // accumulator of 16 channels stays in a register over the tokens
+  void add_values(int64_t n, const float* v) {
     for (int64_t row = 0; row < R; ++row) {
-      const float pr = p[row * n + t];
-      if (pr == 0.f) continue;
+      const float* pr = p.data() + row * n;
       float* a = acc.data() + row * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) a[d] += pr * v[d];
+      int64_t d0 = 0;
+#if defined(__AVX512F__)
+      for (; d0 + 16 <= D; d0 += 16) {
+        __m512 x = _mm512_loadu_ps(a + d0);
+        for (int64_t t = 0; t < n; ++t) x = _mm512_fmadd_ps(_mm512_set1_ps(pr[t]), _mm512_loadu_ps(v + t * D + d0), x);
+        _mm512_storeu_ps(a + d0, x);
+      }
+#endif
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t d = d0; d < D; ++d) a[d] += pr[t] * v[t * D + d];
     }
   }
 };
@@ -220,41 +228,38 @@ void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, con
     }
   }
   st.softmax_block(n);
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t t = 0; t < n; ++t) {  // dequantized values of the block: vf [n, D]
+    float* vt = vf.data() + t * D;
     if (t < L.s) {
-      load_row(sk + t * 2 * D + D, vf.data(), D);
-    } else {
-      const uint8_t* c = vc + t * cb;
-#if defined(__AVX512F__)
-      if (D % 32 == 0 && L.vg % 16 == 0) {
-        for (int64_t j = 0; j < D / 32; ++j) {
-          __m512 a, b;
-          unpack32(c + 16 * j, a, b);
-          _mm512_storeu_ps(vf.data() + 32 * j, a);
-          _mm512_storeu_ps(vf.data() + 32 * j + 16, b);
-        }
-        for (int64_t j = 0; j < D / 16; ++j) {
-          const int64_t gg = (16 * j) / L.vg;
-          const __m512 sc = _mm512_set1_ps(half_to_float(vs[t * nvg + gg]));
-          const __m512 zs = _mm512_set1_ps(half_to_float(vz[t * nvg + gg]));
-          _mm512_storeu_ps(vf.data() + 16 * j,
-                           _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(vf.data() + 16 * j), zs), sc));
-        }
-      } else
-#endif
-      {
-        for (int64_t j = 0; j < cb; ++j) {
-          vf[2 * j] = static_cast<float>(c[j] & 15);
-          vf[2 * j + 1] = static_cast<float>(c[j] >> 4);
-        }
-        for (int64_t gg = 0; gg < nvg; ++gg) {
-          const float s = half_to_float(vs[t * nvg + gg]), z = half_to_float(vz[t * nvg + gg]);
-          for (int64_t d = gg * L.vg; d < (gg + 1) * L.vg; ++d) vf[d] = (vf[d] - z) * s;
-        }
-      }
+      load_row(sk + t * 2 * D + D, vt, D);
+      continue;
     }
-    st.add_value(n, t, vf.data());
+    const uint8_t* c = vc + t * cb;
+#if defined(__AVX512F__)
+    if (D % 32 == 0 && L.vg % 16 == 0) {
+      for (int64_t j = 0; j < D / 32; ++j) {
+        __m512 a, b;
+        unpack32(c + 16 * j, a, b);
+        const __m512 sa = _mm512_set1_ps(half_to_float(vs[t * nvg + (32 * j) / L.vg]));
+        const __m512 za = _mm512_set1_ps(half_to_float(vz[t * nvg + (32 * j) / L.vg]));
+        const __m512 sb = _mm512_set1_ps(half_to_float(vs[t * nvg + (32 * j + 16) / L.vg]));
+        const __m512 zb = _mm512_set1_ps(half_to_float(vz[t * nvg + (32 * j + 16) / L.vg]));
+        _mm512_storeu_ps(vt + 32 * j, _mm512_mul_ps(_mm512_sub_ps(a, za), sa));
+        _mm512_storeu_ps(vt + 32 * j + 16, _mm512_mul_ps(_mm512_sub_ps(b, zb), sb));
+      }
+      continue;
+    }
+#endif
+    for (int64_t j = 0; j < cb; ++j) {
+      vt[2 * j] = static_cast<float>(c[j] & 15);
+      vt[2 * j + 1] = static_cast<float>(c[j] >> 4);
+    }
+    for (int64_t gg = 0; gg < nvg; ++gg) {
+      const float s = half_to_float(vs[t * nvg + gg]), z = half_to_float(vz[t * nvg + gg]);
+      for (int64_t d = gg * L.vg; d < (gg + 1) * L.vg; ++d) vt[d] = (vt[d] - z) * s;
+    }
   }
+  st.add_values(n, vf.data());
 }
 
 template <typename scalar_t, typename out_t>
@@ -292,7 +297,7 @@ void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Ten
   std::vector<float> pm(rows_at[nreq]), pl(rows_at[nreq]), pacc(rows_at[nreq] * D);
 
   at::parallel_for(0, first[nreq], 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, qsc, qz, kf(D), vf(D);
+    std::vector<float> qf, qsc, qz, kf(D), vf(T * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
       const int64_t local = task - first[r], h = local % H, split = local / H, ns = nsplit[r];
@@ -338,10 +343,8 @@ void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Ten
           }
         }
         st.softmax_block(n);
-        for (int64_t t = 0; t < n; ++t) {
-          load_row(vrow(t0 + t), vf.data(), D);
-          st.add_value(n, t, vf.data());
-        }
+        for (int64_t t = 0; t < n; ++t) load_row(vrow(t0 + t), vf.data() + t * D, D);
+        st.add_values(n, vf.data());
       }
       if (ns > 1) {  // keep this split's state for the merge
         const int64_t base = rows_at[r] + (split * H + h) * R;
@@ -487,7 +490,7 @@ void update_impl(const Layout& L, torch::Tensor pages, torch::Tensor side, torch
 
 // Decode whole pages into token-major rows of the model dtype: PageFormat.decode(pages, dtype), the
 // same fp32 operations ((c - z) * s, then rounded once), written at out[i * T + t, h, :].
-template <typename scalar_t>
+template <typename page_t, typename scalar_t>
 void decode_impl(const Layout& L, torch::Tensor pages, torch::Tensor pids, torch::Tensor ko, torch::Tensor vo) {
   const int64_t H = L.H, D = L.D, T = L.T, s = L.s, nkg = T / L.kg, nvg = D / L.vg, cb = D / 2;
   const uint8_t* pg = pages.data_ptr<uint8_t>();
@@ -502,15 +505,17 @@ void decode_impl(const Layout& L, torch::Tensor pages, torch::Tensor pids, torch
       const uint16_t* kz = reinterpret_cast<const uint16_t*>(page + L.kzero) + h * nkg * D;
       const uint16_t* vs = reinterpret_cast<const uint16_t*>(page + L.vscale) + h * T * nvg;
       const uint16_t* vz = reinterpret_cast<const uint16_t*>(page + L.vzero) + h * T * nvg;
-      const scalar_t* sk = reinterpret_cast<const scalar_t*>(page + L.sink) + h * s * 2 * D;
+      const page_t* sk = reinterpret_cast<const page_t*>(page + L.sink) + h * s * 2 * D;
       const uint8_t* kc = page + L.kcodes + h * T * cb;
       const uint8_t* vc = page + L.vcodes + h * T * cb;
       for (int64_t t = 0; t < T; ++t) {
         scalar_t* kr = kp + ((i * T + t) * H + h) * D;
         scalar_t* vr = vp + ((i * T + t) * H + h) * D;
-        if (t < s) {
-          std::memcpy(kr, sk + t * 2 * D, D * sizeof(scalar_t));
-          std::memcpy(vr, sk + t * 2 * D + D, D * sizeof(scalar_t));
+        if (t < s) {  // exact sink token, stored in the model dtype
+          for (int64_t d = 0; d < D; ++d) {
+            kr[d] = static_cast<scalar_t>(static_cast<float>(sk[t * 2 * D + d]));
+            vr[d] = static_cast<scalar_t>(static_cast<float>(sk[t * 2 * D + D + d]));
+          }
           continue;
         }
         const int64_t g = t / L.kg;
@@ -598,8 +603,9 @@ void vllm_paged_update(
 void vllm_paged_decode(
     torch::Tensor pages,      // uint8 [B, page]
     torch::Tensor pids,       // int64 [n]: pages to decode
-    torch::Tensor key,        // [n * T, H, D] contiguous, model dtype: written
+    torch::Tensor key,        // [n * T, H, D] contiguous, fp32 or the model dtype: written
     torch::Tensor value,      // [n * T, H, D]
+    torch::Tensor like,       // any tensor of the model dtype (the dtype of the pages' sink tokens)
     std::vector<int64_t> lay  // as vllm_paged_attend; 4-bit pages
 ) {
   const Layout L = read_layout(lay);
@@ -608,6 +614,11 @@ void vllm_paged_decode(
   TORCH_CHECK(key.numel() == pids.numel() * L.T * L.H * L.D && value.numel() == key.numel(), "key, value: [n * T, H, D]");
   TORCH_CHECK(pages.is_contiguous() && pages.size(1) == L.page, "pages: contiguous [B, page]");
   check_index(pids, "pids", 0);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "vllm_paged_decode",
-                                  [&] { decode_impl<scalar_t>(L, pages, pids, key, value); });
+  TORCH_CHECK(dt == like.scalar_type() || dt == torch::kFloat32, "key, value: fp32 or the model dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, like.scalar_type(), "vllm_paged_decode", [&] {
+    if (dt == torch::kFloat32)
+      decode_impl<scalar_t, float>(L, pages, pids, key, value);
+    else
+      decode_impl<scalar_t, scalar_t>(L, pages, pids, key, value);
+  });
 }
