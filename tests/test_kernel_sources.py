@@ -27,7 +27,7 @@ KERNELS = {
     "cpu": "packed_attention",
     "fused_cpu": "layer_attention",
     "sketch_cpu": "sketch_block_lse",
-    "vllm_paged_cpu": "vllm_paged_attention",
+    "vllm_paged_cpu": "vllm_paged_attend",
     "offload_cpu": "offload_attend",
 }
 

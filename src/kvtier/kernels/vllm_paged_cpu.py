@@ -1,11 +1,17 @@
-"""CPU kernel: attention over kvtier's packed vLLM pages with block tables, one call per layer.
+"""CPU kernels over kvtier's packed vLLM pages with block tables: one attention call and one update
+call per layer and step, and a page decoder for prefill chunks.
 
-Each (request, KV head) task runs an online softmax over the request's packed blocks (4-bit keys
-per channel and values per token, read straight from vLLM's pages, never dequantized to memory)
-and then over its exact rows (side buffer and the step's new tokens, causal). The torch path in
-:func:`kvtier.vllm.paged.attend_layer` is the reference it is tested against. The C++ is
-``csrc/vllm_paged_attention.cpp``, built by :mod:`kvtier.kernels.build`; when that fails
-:func:`available` is False and callers use the torch path. Imports only torch and ``.build``.
+:func:`attend`: each (request, KV head) task runs an online softmax over the request's packed blocks
+(4-bit keys per channel and values per token, read straight from vLLM's pages, never dequantized to
+memory) and then over its exact rows, read in place in the model dtype (the side buffer's rows of
+its partly filled block, then the step's new K/V, causal); the output goes straight into the
+caller's tensor. :func:`update`: packs the blocks a step fills (the bytes of
+:meth:`kvtier.vllm.pages.PageFormat.encode`, 4-bit) and writes the other new tokens into the side
+buffer. :func:`decode`: whole pages into token-major rows of the model dtype. The torch references
+are :func:`kvtier.vllm.paged.attend_layer`, :func:`~kvtier.vllm.paged.update_layer` and
+:meth:`~kvtier.vllm.pages.PageFormat.decode`. The C++ is ``csrc/vllm_paged_attention.cpp``, built
+by :mod:`kvtier.kernels.build`; when that fails :func:`available` is False and callers use the
+torch path. Imports only torch and ``.build``.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ from . import build
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_vllm_paged_v3", "vllm_paged_attention.cpp", ["vllm_paged_attention"], ("-fno-math-errno",)
+        "kvtier_vllm_paged_v4",
+        "vllm_paged_attention.cpp",
+        ["vllm_paged_attend", "vllm_paged_update", "vllm_paged_decode"],
+        ("-fno-math-errno",),
     )
 
 
@@ -30,23 +39,55 @@ def available() -> bool:
     return build.check(_module, "kvtier vLLM paged CPU kernel", "the torch path")
 
 
-def paged_attention(
+def attend(
     q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    side: torch.Tensor,
     pages: torch.Tensor,
-    qstart: torch.Tensor,
+    reqs: torch.Tensor,
     pstart: torch.Tensor,
     pids: torch.Tensor,
-    ek: torch.Tensor,
-    ev: torch.Tensor,
-    estart: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
     layout: list[int],
-) -> torch.Tensor:
-    """``out [N, Hq, D]`` fp32 of pre-scaled ``q [N, Hq, D]`` fp32 for each request's new tokens
-    ``q[qstart[r, 0]:qstart[r, 1]]`` (rows of ``out`` outside every request are left unset) over its packed pages
-    ``pages[pids[pstart[r]:pstart[r+1]]]`` (uint8 ``[B, page]``) and exact rows
-    ``ek, ev [estart[r]:estart[r+1]]`` (fp32 ``[E, H, D]``, causal over its last ``q`` rows).
-    ``layout``: H, D, T, key group, value group, sink tokens, page bytes, then the byte offsets of
-    kscale, kzero, vscale, vzero, sink, kcodes, vcodes (see :meth:`kvtier.vllm.pages.PageFormat.layout`)."""
-    out = torch.empty_like(q)
-    _module().vllm_paged_attention(q, pages, qstart, pstart, pids, ek, ev, estart, out, layout)
-    return out
+) -> None:
+    """Write into ``out [N, Hq, D]`` (fp32 or the model dtype; rows of other requests untouched)
+    the attention of each request ``r``'s new tokens ``q[qs:qe]`` (``reqs[r] = qs, qe, side slot,
+    side rows, head block, head rows``; ``q [N, Hq, D]`` in the model dtype, scaled here by
+    ``scale``) over its packed pages ``pages[pids[pstart[r]:pstart[r+1]]]`` (uint8 ``[B, page]``),
+    the first ``head rows`` tokens of page ``head block`` (when > 0), and its exact rows:
+    ``side[slot, :side rows]`` (``[slots, T, 2, H, D]``), then ``key, value [qs:qe]`` (``[N, H, D]``),
+    causal. Rows of q / key / value / out need only be contiguous. ``layout``: H, D, T, key group,
+    value group, sink tokens, page bytes, then the byte offsets of kscale, kzero, vscale, vzero,
+    sink, kcodes, vcodes (see :meth:`kvtier.vllm.pages.PageFormat.layout`)."""
+    _module().vllm_paged_attend(q, key, value, side, pages, reqs, pstart, pids, out, float(scale), layout)
+
+
+def update(
+    pages: torch.Tensor,
+    side: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    enc: torch.Tensor,
+    writes: torch.Tensor,
+    layout: list[int],
+) -> None:
+    """Pack the blocks ``enc [E, 4]`` (page, side slot, side rows, first new token: the block's first
+    ``side rows`` tokens from ``side[slot]``, the rest from ``key, value [first:]``) into 4-bit
+    pages, then copy new token ``writes[i, 1]`` into side row ``writes[i, 0]`` (``slot * T + offset``)."""
+    _module().vllm_paged_update(pages, side, key, value, enc, writes, layout)
+
+
+def decode(
+    pages: torch.Tensor,
+    pids: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dtype: torch.dtype,
+    layout: list[int],
+) -> None:
+    """Write the 4-bit pages ``pages[pids]`` of model dtype ``dtype`` decoded, token-major, into
+    ``key, value [len(pids) * T, H, D]`` (contiguous, fp32 or ``dtype``):
+    :meth:`kvtier.vllm.pages.PageFormat.decode` in that dtype, transposed."""
+    _module().vllm_paged_decode(pages, pids, key, value, torch.empty(0, dtype=dtype), layout)

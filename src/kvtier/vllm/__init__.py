@@ -5,7 +5,7 @@
 >>> llm = LLM(model=path, kv_transfer_config=kv_transfer_config("default", cpu_bytes=8 << 30, disk_path="/var/kv"))
 
 and packed KV pages in vLLM's own block pool (:mod:`.engine`, :mod:`.backend`, :mod:`.pages`,
-:mod:`.paged`): ~3.7x the tokens in the same ``VLLM_CPU_KVCACHE_SPACE``:
+:mod:`.paged`, :mod:`.prefill`): ~3.7x the tokens in the same ``VLLM_CPU_KVCACHE_SPACE``:
 
 >>> with attention_backend("default"):
 ...     llm = LLM(model=path, **engine_kwargs("default"))
@@ -14,8 +14,9 @@ vLLM's ``OffloadingConnector`` keeps its scheduler logic and loads kvtier's out-
 ``OffloadingSpec`` (:mod:`.spec`), whose worker quantizes each offloaded block with kvtier's
 codecs into a :class:`~kvtier.vllm.store.PrefixStore` (:mod:`.store`: byte budget, step-down LRU,
 write-through block files with crc32; :mod:`.blocks`: the record format; :mod:`.policy`: what is
-kept). This package owns all of it and may import torch, vLLM (only :mod:`.spec` and
-:mod:`.backend`, and :func:`kv_transfer_config` / :func:`attention_backend` when called),
+kept). This package owns all of it and may import torch, vLLM (only :mod:`.spec`,
+:mod:`.backend`, :class:`.prefill.VllmPrefill` when made, and :func:`kv_transfer_config` /
+:func:`attention_backend` when called),
 ``kvtier.cache.codecs``, ``kvtier.quant``, ``kvtier.errors``, ``kvtier.kernels``; never
 transformers or ``kvtier.hf``. ``import kvtier`` never imports this package.
 """

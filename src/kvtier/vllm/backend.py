@@ -10,7 +10,9 @@ the same policy in any process (module ``__getattr__`` rebuilds it from the name
 - packed: ``customize_spec`` gives vLLM the packed page bytes (``state_content_bytes``: bytes per
   head and token), so ``VLLM_CPU_KVCACHE_SPACE`` holds ``exact / packed`` times the blocks; the
   builder plans each step once (:func:`kvtier.vllm.paged.plan_step`) and the impl attends and
-  packs each layer (:func:`~kvtier.vllm.paged.attend_layer`, :func:`~kvtier.vllm.paged.update_layer`).
+  packs each layer (:func:`~kvtier.vllm.paged.attend_layer_fused` and
+  :func:`~kvtier.vllm.paged.update_layer_fused`: one C++ call each; their torch references
+  :func:`~kvtier.vllm.paged.attend_layer`, :func:`~kvtier.vllm.paged.update_layer` where it is not built).
 
 This is the one module of kvtier that subclasses vLLM's attention classes; it imports vLLM at
 module level and is imported only by vLLM's registry (or a test in vLLM's venv).
@@ -27,8 +29,19 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder, A
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from .paged import SideBuffer, StepPlan, attend_layer, attend_layer_fused, plan_step, update_layer
+from ..kernels import vllm_paged_cpu
+from .paged import (
+    SideBuffer,
+    StepPlan,
+    attend_layer,
+    attend_layer_fused,
+    fused_update_supported,
+    plan_step,
+    update_layer,
+    update_layer_fused,
+)
 from .pages import _PREFIX, CONFIG_KEY, PageFormat, PagePolicy, get_page_policy, parse_policy_name, policy_name
+from .prefill import PrefillPlan, VllmPrefill
 
 _SIDES: weakref.WeakSet[SideBuffer] = weakref.WeakSet()
 
@@ -45,6 +58,9 @@ class KVTierMetadata:
     plan: StepPlan
     side: SideBuffer
     num_actual_tokens: int
+    #: the step's prefill chunks through vLLM's CPU attention (None: through kvtier's torch path)
+    prefill: list[PrefillPlan] | None = None
+    prefiller: VllmPrefill | None = None
 
 
 class _PagedBuilder(AttentionMetadataBuilder[KVTierMetadata]):
@@ -68,6 +84,11 @@ class _PagedBuilder(AttentionMetadataBuilder[KVTierMetadata]):
             slots, kv_cache_spec.block_size, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, kv_cache_spec.dtype
         )
         _SIDES.add(self.side)
+        self.prefill = None
+        if self.policy.bits == 4 and vllm_paged_cpu.available():  # the fused path: prefill chunks through vLLM
+            spec = kv_cache_spec
+            heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+            self.prefill = VllmPrefill(heads, spec.num_kv_heads, spec.head_size, spec.block_size, spec.dtype)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -81,7 +102,8 @@ class _PagedBuilder(AttentionMetadataBuilder[KVTierMetadata]):
             m.block_table_tensor[:n],
             m.num_actual_tokens,
         )
-        return KVTierMetadata(plan, self.side, m.num_actual_tokens)
+        prefill = self.prefill.plan(plan) if self.prefill is not None else None
+        return KVTierMetadata(plan, self.side, m.num_actual_tokens, prefill, self.prefill)
 
 
 class _PagedImpl(AttentionImpl):
@@ -139,11 +161,9 @@ class _PagedImpl(AttentionImpl):
             return output
         n = attn_metadata.num_actual_tokens
         if self.fmt is None:
-            from ..kernels import vllm_paged_cpu
-
             self.fmt = PageFormat(self.policy, self.num_kv_heads, self.head_size, key.dtype)
-            fused = self.policy.bits == 4 and (not self.policy.sink_tokens or key.dtype == torch.bfloat16)
-            self.attend = attend_layer_fused if fused and vllm_paged_cpu.available() else attend_layer
+            self.fused = self.policy.bits == 4 and vllm_paged_cpu.available()
+            self.update = update_layer_fused if self.fused and fused_update_supported(self.fmt) else update_layer
         pages = kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)
         if pages.shape[1] != self.fmt.page_bytes or not kv_cache.is_contiguous():
             raise RuntimeError(
@@ -152,9 +172,15 @@ class _PagedImpl(AttentionImpl):
         side = attn_metadata.side.layer(layer.layer_name)
         plan = attn_metadata.plan
         q, k, v = query[:n], key[:n], value[:n]
-        out = self.attend(self.fmt, plan, pages, side, q, k, v, self.scale)
-        output[:n].view(n, self.num_heads, self.head_size).copy_(out)
-        update_layer(self.fmt, plan, pages, side, k, v)
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        if self.fused:  # written straight into vLLM's output
+            pre = attn_metadata.prefill
+            attend_layer_fused(self.fmt, plan, pages, side, q, k, v, self.scale, out=out, rest=pre is None)
+            for p in pre or ():
+                attn_metadata.prefiller.attend(self.fmt, p, pages, side, q, k, v, self.scale, out)
+        else:
+            out.copy_(attend_layer(self.fmt, plan, pages, side, q, k, v, self.scale))
+        self.update(self.fmt, plan, pages, side, k, v)
         return output
 
 

@@ -15,7 +15,12 @@ tensors ``[slots, T, 2, H, D]``; :func:`plan_step` turns one step's metadata int
 :class:`StepPlan` (pure Python over lists, run once per step, shared by every layer);
 :func:`attend_layer` and :func:`update_layer` run one layer of it in plain torch (decode the
 request's pages, one SDPA call per request; the oracle every faster path is tested against).
-May import torch and :mod:`.pages`; never vLLM.
+:func:`attend_layer_fused` and :func:`update_layer_fused` are the same in one C++ call each
+(:mod:`kvtier.kernels.vllm_paged_cpu`, index tensors made once per step by :func:`kernel_index`):
+decode requests over the pages, the side buffer and the new K/V read in place, vLLM's output
+written in place; blocks packed and side rows written in C++. Prefill chunks go through the torch
+path here, or through vLLM's own kernels in the backend (:mod:`.prefill`).
+May import torch, :mod:`.pages` and (lazily) :mod:`kvtier.kernels.vllm_paged_cpu`; never vLLM.
 """
 
 from __future__ import annotations
@@ -288,44 +293,32 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
 KERNEL_MAX_QUERY = 16
 
 
-def kernel_index(plan: StepPlan, tokens: int) -> dict[str, torch.Tensor]:
-    """Index tensors of the fused kernel for ``plan`` (cached on it), over the requests with at most
-    :data:`KERNEL_MAX_QUERY` new tokens: their new tokens (``qstart [R, 2]``), packed blocks
-    (``pstart``, ``pids``) and exact rows (``estart``: side rows, then the rows of a partly read
-    cached block, then the new tokens), where each exact row comes from, and the other requests."""
+def kernel_index(plan: StepPlan) -> dict:
+    """Index tensors of the fused kernels for ``plan`` (built once per step, cached on it): the
+    requests with at most :data:`KERNEL_MAX_QUERY` new tokens (``reqs [R, 6]``: new tokens,
+    side slot and rows, cached block read in part and its rows; their packed blocks ``pstart``,
+    ``pids``), the other requests (``rest``), the blocks to pack (``enc [E, 4]``: page, side slot,
+    side rows, first new token) and the side writes (``writes [W, 2]``: side row, new token)."""
     if plan.index is None:
-        qstart, pstart, estart, pids = [], [0], [0], []
-        side_src, side_dst, new_src, new_dst, heads, rest = [], [], [], [], [], []
+        reqs, pstart, pids, rest = [], [0], [], []
         for req in plan.requests:
             if req.qe - req.qs > KERNEL_MAX_QUERY:
                 rest.append(req)
                 continue
             pids.extend(req.packed)
             pstart.append(len(pids))
-            e = estart[-1]
-            if req.side_rows:
-                side_src.extend(range(req.side_slot * tokens, req.side_slot * tokens + req.side_rows))
-                side_dst.extend(range(e, e + req.side_rows))
-                e += req.side_rows
-            if req.head_rows:
-                heads.append((e, req.head_block, req.head_rows))
-                e += req.head_rows
-            new_src.extend(range(req.qs, req.qe))
-            new_dst.extend(range(e, e + req.qe - req.qs))
-            estart.append(e + req.qe - req.qs)
-            qstart.append((req.qs, req.qe))
-        t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+            side_slot = req.side_slot if req.side_rows else 0
+            reqs.append((req.qs, req.qe, side_slot, req.side_rows, max(req.head_block, 0), req.head_rows))
+        enc = [(b, max(slot, 0), start, first) for b, (slot, start, first) in zip(plan.encode_blocks, plan.encode_src)]
+        t = lambda x, n: torch.tensor(x, dtype=torch.long).view(-1, n) if n else torch.tensor(x, dtype=torch.long)  # noqa: E731
+        writes = torch.stack((plan.write_rows, plan.write_tokens), 1) if plan.write_rows is not None else t([], 2)
         plan.index = {
-            "qstart": t(qstart).view(-1, 2),
-            "pstart": t(pstart),
-            "pids": t(pids),
-            "estart": t(estart),
-            "side_src": t(side_src),
-            "side_dst": t(side_dst),
-            "new_src": t(new_src),
-            "new_dst": t(new_dst),
-            "heads": heads,
+            "reqs": t(reqs, 6),
+            "pstart": t(pstart, 0),
+            "pids": t(pids, 0),
             "rest": rest,
+            "enc": t(enc, 4),
+            "writes": writes.contiguous(),
         }
     return plan.index
 
@@ -340,32 +333,44 @@ def attend_layer_fused(
     key: torch.Tensor,
     value: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
+    rest: bool = True,
 ) -> torch.Tensor:
-    """:func:`attend_layer` through the fused CPU kernel (same arguments, same result to fp32 rounding)."""
+    """:func:`attend_layer` through the fused CPU kernel (same arguments, same result to fp32 rounding),
+    written into ``out [N, Hq, D]`` when given (fp32 or the model dtype: vLLM's output rows) and
+    returned. ``query, key, value`` are read in place (rows contiguous), the side buffer too.
+    ``rest=False`` leaves the rows of the requests the kernel does not take (prefill chunks, see
+    :func:`kernel_index`) to the caller; otherwise they go through the torch path."""
     from ..kernels import vllm_paged_cpu
 
-    idx = kernel_index(plan, fmt.tokens)
-    N, Hq, D = query.shape
-    H = key.shape[1]
-    out = torch.empty(N, Hq, D, dtype=torch.float32)
-    if idx["qstart"].shape[0]:
-        E = int(idx["estart"][-1])
-        ek = torch.empty(E, H, D, dtype=torch.float32)
-        ev = torch.empty(E, H, D, dtype=torch.float32)
-        if idx["side_src"].numel():
-            rows = side.view(-1, 2, H, D)[idx["side_src"]]
-            ek[idx["side_dst"]], ev[idx["side_dst"]] = rows[:, 0].float(), rows[:, 1].float()
-        ek[idx["new_dst"]], ev[idx["new_dst"]] = key[idx["new_src"]].float(), value[idx["new_src"]].float()
-        for e, block, n in idx["heads"]:
-            k, v = fmt.decode(pages[block : block + 1])
-            ek[e : e + n], ev[e : e + n] = k[0, :, :n].transpose(0, 1), v[0, :, :n].transpose(0, 1)
-        q = (query.float() * scale).contiguous()
-        out = vllm_paged_cpu.paged_attention(
-            q, pages, idx["qstart"], idx["pstart"], idx["pids"], ek, ev, idx["estart"], fmt.layout()
+    idx = kernel_index(plan)
+    if out is None:
+        out = torch.empty(query.shape, dtype=torch.float32)
+    if idx["reqs"].shape[0]:
+        vllm_paged_cpu.attend(
+            query, key, value, side, pages, idx["reqs"], idx["pstart"], idx["pids"], out, scale, fmt.layout()
         )
-    for req in idx["rest"]:
+    for req in idx["rest"] if rest else ():
         out[req.qs : req.qe] = _attend_request(fmt, req, pages, side, query, key, value, scale)
     return out
+
+
+def fused_update_supported(fmt: PageFormat) -> bool:
+    """Whether :func:`update_layer_fused` packs ``fmt``'s pages (4-bit) in C++."""
+    return fmt.policy.bits == 4
+
+
+@torch.no_grad()
+def update_layer_fused(
+    fmt: PageFormat, plan: StepPlan, pages: torch.Tensor, side: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """:func:`update_layer` in one C++ call (4-bit pages: see :func:`fused_update_supported`): the
+    same page bytes and side rows."""
+    from ..kernels import vllm_paged_cpu
+
+    idx = kernel_index(plan)
+    if idx["enc"].shape[0] or idx["writes"].shape[0]:
+        vllm_paged_cpu.update(pages, side, key, value, idx["enc"], idx["writes"], fmt.layout())
 
 
 @torch.no_grad()

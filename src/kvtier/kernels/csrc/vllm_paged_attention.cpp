@@ -1,15 +1,25 @@
-// Attention over kvtier's packed vLLM pages (kvtier/vllm/pages.py) with block tables, plus each
-// request's exact tokens (side buffer and this step's new tokens), in one call per layer.
+// One layer of one vLLM step over kvtier's packed pages (kvtier/vllm/pages.py), in two calls:
+//
+// vllm_paged_attend: attention of each request's new tokens over its packed blocks (block table)
+//   and its exact tokens, read in place in the model dtype: the side buffer's rows of its partly
+//   filled block, then the step's new K/V (causal). Output written straight into vLLM's output.
+// vllm_paged_update: packs the blocks this step fills (4-bit KIVI page, the bytes of
+//   PageFormat.encode) and writes the other new tokens into the side buffer.
+// vllm_paged_decode: whole pages decoded into token-major rows of the model dtype (prefill chunks
+//   attend them through vLLM's own kernels: kvtier/vllm/prefill.py).
 //
 // Page of one block (byte offsets given by the caller): kscale/kzero fp16 [H, T/kg, D],
-// vscale/vzero fp16 [H, T, D/vg], sink bf16 [H, s, 2, D], kcodes/vcodes uint8 [H, T, D/2]
+// vscale/vzero fp16 [H, T, D/vg], sink [H, s, 2, D] (model dtype), kcodes/vcodes uint8 [H, T, D/2]
 // (4-bit codes, low nibble first). Keys are (c - z) * s per channel, values per token group.
 //
-// Per (request, kv head) task, every query row that shares the head (Gq heads x q tokens) runs
-// an online softmax over: the packed blocks (all visible), then the exact rows (causal: query i
-// of q sees exact row j < ne - q + i + 1). Reference: kvtier.vllm.paged.attend_layer.
+// Per (request, kv head) task, every query row that shares the head (G query heads x q tokens) runs
+// an online softmax over: the packed blocks (all visible; a cached block read in part: its first
+// rows), then the exact rows (causal: query i of q sees exact row j < ne - q + i + 1).
+// References: kvtier.vllm.paged.attend_layer and update_layer.
 #include <torch/extension.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -20,6 +30,8 @@
 #endif
 
 namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
 
 #if defined(__AVX512F__)
 // exp(x) for x <= 0 (softmax scores minus their max): 2^n * 2^f, f in [-0.5, 0.5], degree-6 polynomial
@@ -53,11 +65,19 @@ inline float half_to_float(uint16_t h) {
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
 
-inline float bf16_to_float(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+inline uint16_t float_to_half_bits(float f) {
+  return c10::Half(f).x;
+}
+
+// A row of D elements of the model dtype as fp32 (times mul).
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t D, float mul = 1.f) {
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * mul;
+}
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t D, float mul) {
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[d] * mul);
 }
 
 struct Layout {
@@ -65,11 +85,17 @@ struct Layout {
   int64_t kscale, kzero, vscale, vzero, sink, kcodes, vcodes;
 };
 
+Layout read_layout(const std::vector<int64_t>& lay) {
+  TORCH_CHECK(lay.size() == 14, "layout: 14 ints");
+  return Layout{lay[0], lay[1], lay[2], lay[3], lay[4], lay[5], lay[6],
+                lay[7], lay[8], lay[9], lay[10], lay[11], lay[12], lay[13]};
+}
+
 struct Rows {
   int64_t R, D;
   std::vector<float> m, l, acc, p;
   Rows(int64_t R_, int64_t D_, int64_t T)
-      : R(R_), D(D_), m(R_, -std::numeric_limits<float>::infinity()), l(R_, 0.f), acc(R_ * D_, 0.f), p(R_ * T) {}
+      : R(R_), D(D_), m(R_, -kInf), l(R_, 0.f), acc(R_ * D_, 0.f), p(R_ * T) {}
   // Fold scores p[r * n + t] (t < n; -inf = masked) into the running softmax, then return
   // the probabilities in place (0 for masked) with acc already rescaled.
   void softmax_block(int64_t n) {
@@ -83,7 +109,7 @@ struct Rows {
       mx = _mm512_reduce_max_ps(vm);
 #endif
       for (int64_t t = t0; t < n; ++t) mx = std::max(mx, pr[t]);
-      if (mx == -std::numeric_limits<float>::infinity()) {
+      if (mx == -kInf) {
         for (int64_t t = 0; t < n; ++t) pr[t] = 0.f;
         continue;
       }
@@ -104,7 +130,7 @@ struct Rows {
       sum = _mm512_reduce_add_ps(vs);
 #endif
       for (int64_t t = t1; t < n; ++t) {
-        float e = pr[t] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(pr[t] - mx);
+        float e = pr[t] == -kInf ? 0.f : std::exp(pr[t] - mx);
         pr[t] = e;
         sum += e;
       }
@@ -112,200 +138,487 @@ struct Rows {
       m[r] = mx;
     }
   }
+  // acc[row] += sum_t p[row * n + t] * v[t * D:] for every row (v: n rows of D floats); the
+  // accumulator of 16 channels stays in a register over the tokens
+  void add_values(int64_t n, const float* v) {
+    for (int64_t row = 0; row < R; ++row) {
+      const float* pr = p.data() + row * n;
+      float* a = acc.data() + row * D;
+      int64_t d0 = 0;
+#if defined(__AVX512F__)
+      for (; d0 + 16 <= D; d0 += 16) {
+        __m512 x = _mm512_loadu_ps(a + d0);
+        for (int64_t t = 0; t < n; ++t) x = _mm512_fmadd_ps(_mm512_set1_ps(pr[t]), _mm512_loadu_ps(v + t * D + d0), x);
+        _mm512_storeu_ps(a + d0, x);
+      }
+#endif
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t d = d0; d < D; ++d) a[d] += pr[t] * v[t * D + d];
+    }
+  }
 };
 
-}  // namespace
+// One packed block of head h read by R pre-scaled query rows qf [R, D]: its first n tokens
+// (n = T for a full block; fewer for a cached block read in part) folded into st.
+template <typename scalar_t>
+void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, const float* qf, Rows& st,
+                 std::vector<float>& qsc, std::vector<float>& qz, std::vector<float>& kf, std::vector<float>& vf) {
+  const int64_t T = L.T, D = L.D, R = st.R, nkg = T / L.kg, nvg = D / L.vg, cb = D / 2;
+  const uint16_t* ks = reinterpret_cast<const uint16_t*>(page + L.kscale) + h * nkg * D;
+  const uint16_t* kz = reinterpret_cast<const uint16_t*>(page + L.kzero) + h * nkg * D;
+  const uint16_t* vs = reinterpret_cast<const uint16_t*>(page + L.vscale) + h * T * nvg;
+  const uint16_t* vz = reinterpret_cast<const uint16_t*>(page + L.vzero) + h * T * nvg;
+  const scalar_t* sk = reinterpret_cast<const scalar_t*>(page + L.sink) + h * L.s * 2 * D;
+  const uint8_t* kc = page + L.kcodes + h * T * cb;
+  const uint8_t* vc = page + L.vcodes + h * T * cb;
+  for (int64_t t0 = 0; t0 < n; t0 += L.kg) {
+    const int64_t g = t0 / L.kg, t1 = std::min(n, t0 + L.kg);
+    for (int64_t d = 0; d < D; ++d) {
+      kf[d] = half_to_float(ks[g * D + d]);
+      vf[d] = half_to_float(kz[g * D + d]);
+    }
+    for (int64_t row = 0; row < R; ++row) {  // q * s and (q * s) . z of this key group
+      const float* qr = qf + row * D;
+      float* qq = qsc.data() + row * D;
+      float z = 0.f;
+#pragma omp simd reduction(+ : z)
+      for (int64_t d = 0; d < D; ++d) {
+        qq[d] = qr[d] * kf[d];
+        z += qq[d] * vf[d];
+      }
+      qz[row] = z;
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      if (t < L.s) {  // exact sink token
+        load_row(sk + t * 2 * D, kf.data(), D);
+        for (int64_t row = 0; row < R; ++row) {
+          const float* qr = qf + row * D;
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t d = 0; d < D; ++d) acc += qr[d] * kf[d];
+          st.p[row * n + t] = acc;
+        }
+        continue;
+      }
+      const uint8_t* c = kc + t * cb;
+#if defined(__AVX512F__)
+      if (D % 32 == 0) {
+        __m512 kv[32];
+        for (int64_t j = 0; j < D / 32; ++j) unpack32(c + 16 * j, kv[2 * j], kv[2 * j + 1]);
+        for (int64_t row = 0; row < R; ++row) {
+          const float* qq = qsc.data() + row * D;
+          __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qq), kv[0]);
+          for (int64_t j = 1; j < D / 16; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qq + 16 * j), kv[j], acc);
+          st.p[row * n + t] = _mm512_reduce_add_ps(acc) - qz[row];
+        }
+        continue;
+      }
+#endif
+      for (int64_t j = 0; j < cb; ++j) {
+        kf[2 * j] = static_cast<float>(c[j] & 15);
+        kf[2 * j + 1] = static_cast<float>(c[j] >> 4);
+      }
+      for (int64_t row = 0; row < R; ++row) {
+        const float* qq = qsc.data() + row * D;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t d = 0; d < D; ++d) acc += qq[d] * kf[d];
+        st.p[row * n + t] = acc - qz[row];
+      }
+    }
+  }
+  st.softmax_block(n);
+  for (int64_t t = 0; t < n; ++t) {  // dequantized values of the block: vf [n, D]
+    float* vt = vf.data() + t * D;
+    if (t < L.s) {
+      load_row(sk + t * 2 * D + D, vt, D);
+      continue;
+    }
+    const uint8_t* c = vc + t * cb;
+#if defined(__AVX512F__)
+    if (D % 32 == 0 && L.vg % 16 == 0) {
+      for (int64_t j = 0; j < D / 32; ++j) {
+        __m512 a, b;
+        unpack32(c + 16 * j, a, b);
+        const __m512 sa = _mm512_set1_ps(half_to_float(vs[t * nvg + (32 * j) / L.vg]));
+        const __m512 za = _mm512_set1_ps(half_to_float(vz[t * nvg + (32 * j) / L.vg]));
+        const __m512 sb = _mm512_set1_ps(half_to_float(vs[t * nvg + (32 * j + 16) / L.vg]));
+        const __m512 zb = _mm512_set1_ps(half_to_float(vz[t * nvg + (32 * j + 16) / L.vg]));
+        _mm512_storeu_ps(vt + 32 * j, _mm512_mul_ps(_mm512_sub_ps(a, za), sa));
+        _mm512_storeu_ps(vt + 32 * j + 16, _mm512_mul_ps(_mm512_sub_ps(b, zb), sb));
+      }
+      continue;
+    }
+#endif
+    for (int64_t j = 0; j < cb; ++j) {
+      vt[2 * j] = static_cast<float>(c[j] & 15);
+      vt[2 * j + 1] = static_cast<float>(c[j] >> 4);
+    }
+    for (int64_t gg = 0; gg < nvg; ++gg) {
+      const float s = half_to_float(vs[t * nvg + gg]), z = half_to_float(vz[t * nvg + gg]);
+      for (int64_t d = gg * L.vg; d < (gg + 1) * L.vg; ++d) vt[d] = (vt[d] - z) * s;
+    }
+  }
+  st.add_values(n, vf.data());
+}
 
-void vllm_paged_attention(
-    torch::Tensor q,          // float32 [N, Hq, D], pre-scaled
-    torch::Tensor pages,      // uint8 [B, page]
-    torch::Tensor qstart,     // int64 [R, 2]: begin, end of each request's new tokens
-    torch::Tensor pstart,     // int64 [R+1]
-    torch::Tensor pids,       // int64 [Np]
-    torch::Tensor ek,         // float32 [E, H, D]
-    torch::Tensor ev,         // float32 [E, H, D]
-    torch::Tensor estart,     // int64 [R+1]
-    torch::Tensor out,        // float32 [N, Hq, D]
-    std::vector<int64_t> lay  // H, D, T, kg, vg, s, page, kscale, kzero, vscale, vzero, sink, kcodes, vcodes
-) {
-  TORCH_CHECK(lay.size() == 14, "layout: 14 ints");
-  const Layout L{lay[0], lay[1], lay[2], lay[3], lay[4], lay[5], lay[6],
-                 lay[7], lay[8], lay[9], lay[10], lay[11], lay[12], lay[13]};
-  TORCH_CHECK(q.is_contiguous() && ek.is_contiguous() && ev.is_contiguous() && out.is_contiguous());
-  TORCH_CHECK(pages.is_contiguous() && pages.size(1) == L.page, "pages: contiguous [B, page]");
-  TORCH_CHECK(L.D % 2 == 0 && L.D <= 512, "head_dim");
-  const int64_t Hq = q.size(1), H = L.H, D = L.D, T = L.T;
-  const int64_t G = Hq / H;
-  const int64_t nreq = qstart.size(0);
-  const float* qp = q.data_ptr<float>();
+template <typename scalar_t, typename out_t>
+void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Tensor value, torch::Tensor side,
+                 torch::Tensor pages, torch::Tensor reqs, torch::Tensor pstart, torch::Tensor pids, torch::Tensor out,
+                 double scale) {
+  const int64_t Hq = q.size(1), H = L.H, D = L.D, T = L.T, G = Hq / H;
+  const int64_t nreq = reqs.size(0);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = key.data_ptr<scalar_t>();
+  const scalar_t* vp = value.data_ptr<scalar_t>();
+  const scalar_t* sp = side.data_ptr<scalar_t>();
   const uint8_t* pg = pages.data_ptr<uint8_t>();
-  const int64_t* qs = qstart.data_ptr<int64_t>();
+  const int64_t* rq = reqs.data_ptr<int64_t>();
   const int64_t* ps = pstart.data_ptr<int64_t>();
   const int64_t* pid = pids.data_ptr<int64_t>();
-  const int64_t* es = estart.data_ptr<int64_t>();
-  const float* ekp = ek.data_ptr<float>();
-  const float* evp = ev.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t nkg = T / L.kg, nvg = D / L.vg, cb = D / 2;
+  out_t* op = out.data_ptr<out_t>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = key.stride(0), ks1 = key.stride(1);
+  const int64_t vs0 = value.stride(0), vs1 = value.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t side_row = 2 * H * D;  // one token of a side slot: [2, H, D]
+  const float sc = static_cast<float>(scale);
 
-  at::parallel_for(0, nreq * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qsc, qz, kf(D), vf(D);
+  // Tasks: (request, kv head, split of its packed blocks). With fewer (request, head) pairs than
+  // twice the threads, a request's blocks are split so every thread has work; each split keeps its
+  // own softmax state (the last one also takes the exact rows) and the splits merge at the end.
+  const int64_t threads = at::get_num_threads();
+  const int64_t want = nreq * H >= 2 * threads ? 1 : (2 * threads + nreq * H - 1) / (nreq * H);
+  std::vector<int64_t> nsplit(nreq), first(nreq + 1, 0), rows_at(nreq + 1, 0);
+  for (int64_t r = 0; r < nreq; ++r) {
+    nsplit[r] = std::max<int64_t>(1, std::min<int64_t>(want, ps[r + 1] - ps[r]));
+    first[r + 1] = first[r] + nsplit[r] * H;
+    rows_at[r + 1] = rows_at[r] + (nsplit[r] > 1 ? nsplit[r] * H * (rq[6 * r + 1] - rq[6 * r]) * G : 0);
+  }
+  // partial softmax states of split requests: m, l [rows], acc [rows, D]
+  std::vector<float> pm(rows_at[nreq]), pl(rows_at[nreq]), pacc(rows_at[nreq] * D);
+
+  at::parallel_for(0, first[nreq], 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, qsc, qz, kf(D), vf(T * D);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / H, h = task % H;
-      const int64_t q0 = qs[2 * r], qn = qs[2 * r + 1] - q0;
+      const int64_t r = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+      const int64_t local = task - first[r], h = local % H, split = local / H, ns = nsplit[r];
+      const int64_t* e = rq + 6 * r;  // qs, qe, side slot, side rows, head block, head rows
+      const int64_t q0 = e[0], qn = e[1] - e[0], slot = e[2], nside = e[3], hblock = e[4], hrows = e[5];
       if (qn == 0) continue;
       const int64_t R = qn * G;  // row = i * G + g
+      const bool last = split == ns - 1;
       Rows st(R, D, T);
-      auto qrow = [&](int64_t row) { return qp + ((q0 + row / G) * Hq + h * G + row % G) * D; };
+      qf.resize(R * D);
       qsc.assign(R * D, 0.f);
       qz.assign(R, 0.f);
-      // ---- packed blocks ----
-      for (int64_t bi = ps[r]; bi < ps[r + 1]; ++bi) {
-        const uint8_t* page = pg + pid[bi] * L.page;
-        const uint16_t* ks = reinterpret_cast<const uint16_t*>(page + L.kscale) + h * nkg * D;
-        const uint16_t* kz = reinterpret_cast<const uint16_t*>(page + L.kzero) + h * nkg * D;
-        const uint16_t* vs = reinterpret_cast<const uint16_t*>(page + L.vscale) + h * T * nvg;
-        const uint16_t* vz = reinterpret_cast<const uint16_t*>(page + L.vzero) + h * T * nvg;
-        const uint16_t* sk = reinterpret_cast<const uint16_t*>(page + L.sink) + h * L.s * 2 * D;
-        const uint8_t* kc = page + L.kcodes + h * T * cb;
-        const uint8_t* vc = page + L.vcodes + h * T * cb;
-        for (int64_t t0 = 0; t0 < T; t0 += L.kg) {
-          const int64_t g = t0 / L.kg;
-          for (int64_t d = 0; d < D; ++d) {
-            kf[d] = half_to_float(ks[g * D + d]);
-            vf[d] = half_to_float(kz[g * D + d]);
-          }
-          for (int64_t row = 0; row < R; ++row) {  // q * s and (q * s) . z of this key group
-            const float* qr = qrow(row);
-            float* qq = qsc.data() + row * D;
-            float z = 0.f;
-#pragma omp simd reduction(+ : z)
-            for (int64_t d = 0; d < D; ++d) {
-              qq[d] = qr[d] * kf[d];
-              z += qq[d] * vf[d];
-            }
-            qz[row] = z;
-          }
-          for (int64_t t = t0; t < t0 + L.kg; ++t) {
-            if (t < L.s) {  // exact sink token
-              const uint16_t* kk = sk + t * 2 * D;
-              for (int64_t d = 0; d < D; ++d) kf[d] = bf16_to_float(kk[d]);
-              for (int64_t row = 0; row < R; ++row) {
-                const float* qr = qrow(row);
-                float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-                for (int64_t d = 0; d < D; ++d) acc += qr[d] * kf[d];
-                st.p[row * T + t] = acc;
-              }
-              continue;
-            }
-            const uint8_t* c = kc + t * cb;
-#if defined(__AVX512F__)
-            if (D % 32 == 0) {
-              __m512 kv[16];
-              for (int64_t j = 0; j < D / 32; ++j) unpack32(c + 16 * j, kv[2 * j], kv[2 * j + 1]);
-              for (int64_t row = 0; row < R; ++row) {
-                const float* qq = qsc.data() + row * D;
-                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qq), kv[0]);
-                for (int64_t j = 1; j < D / 16; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qq + 16 * j), kv[j], acc);
-                st.p[row * T + t] = _mm512_reduce_add_ps(acc) - qz[row];
-              }
-              continue;
-            }
-#endif
-            for (int64_t j = 0; j < cb; ++j) {
-              kf[2 * j] = static_cast<float>(c[j] & 15);
-              kf[2 * j + 1] = static_cast<float>(c[j] >> 4);
-            }
-            for (int64_t row = 0; row < R; ++row) {
-              const float* qq = qsc.data() + row * D;
-              float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-              for (int64_t d = 0; d < D; ++d) acc += qq[d] * kf[d];
-              st.p[row * T + t] = acc - qz[row];
-            }
-          }
-        }
-        // rows' scores are at p[row * T + t]: fold them in
-        st.softmax_block(T);
-        for (int64_t t = 0; t < T; ++t) {
-          if (t < L.s) {
-            const uint16_t* vv = sk + t * 2 * D + D;
-            for (int64_t d = 0; d < D; ++d) vf[d] = bf16_to_float(vv[d]);
-          } else {
-            const uint8_t* c = vc + t * cb;
-#if defined(__AVX512F__)
-            if (D % 32 == 0 && L.vg % 16 == 0) {
-              for (int64_t j = 0; j < D / 32; ++j) {
-                __m512 a, b;
-                unpack32(c + 16 * j, a, b);
-                _mm512_storeu_ps(vf.data() + 32 * j, a);
-                _mm512_storeu_ps(vf.data() + 32 * j + 16, b);
-              }
-              for (int64_t j = 0; j < D / 16; ++j) {
-                const int64_t gg = (16 * j) / L.vg;
-                const __m512 sc = _mm512_set1_ps(half_to_float(vs[t * nvg + gg]));
-                const __m512 zs = _mm512_set1_ps(half_to_float(vz[t * nvg + gg]));
-                _mm512_storeu_ps(vf.data() + 16 * j, _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(vf.data() + 16 * j), zs), sc));
-              }
-            } else
-#endif
-            {
-              for (int64_t j = 0; j < cb; ++j) {
-                vf[2 * j] = static_cast<float>(c[j] & 15);
-                vf[2 * j + 1] = static_cast<float>(c[j] >> 4);
-              }
-              for (int64_t gg = 0; gg < nvg; ++gg) {
-                const float s = half_to_float(vs[t * nvg + gg]), z = half_to_float(vz[t * nvg + gg]);
-                for (int64_t d = gg * L.vg; d < (gg + 1) * L.vg; ++d) vf[d] = (vf[d] - z) * s;
-              }
-            }
-          }
-          for (int64_t row = 0; row < R; ++row) {
-            const float pr = st.p[row * T + t];
-            if (pr == 0.f) continue;
-            float* a = st.acc.data() + row * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += pr * vf[d];
-          }
-        }
-      }
-      // ---- exact rows (side buffer, cached block heads, new tokens), causal ----
-      const int64_t ne = es[r + 1] - es[r];
+      for (int64_t row = 0; row < R; ++row)
+        load_row(qp + (q0 + row / G) * qs0 + (h * G + row % G) * qs1, qf.data() + row * D, D, sc);
+      // ---- this split's packed blocks, then the first rows of a cached block read in part ----
+      const int64_t nb = ps[r + 1] - ps[r];
+      for (int64_t bi = ps[r] + split * nb / ns; bi < ps[r] + (split + 1) * nb / ns; ++bi)
+        attend_page<scalar_t>(L, pg + pid[bi] * L.page, h, T, qf.data(), st, qsc, qz, kf, vf);
+      if (last && hrows > 0)
+        attend_page<scalar_t>(L, pg + hblock * L.page, h, hrows, qf.data(), st, qsc, qz, kf, vf);
+      // ---- exact rows: side rows, then the new tokens; causal over the last qn ----
+      const int64_t ne = last ? nside + qn : 0;
+      auto krow = [&](int64_t j) {
+        return j < nside ? sp + (slot * T + j) * side_row + h * D : kp + (q0 + j - nside) * ks0 + h * ks1;
+      };
+      auto vrow = [&](int64_t j) {
+        return j < nside ? sp + (slot * T + j) * side_row + H * D + h * D : vp + (q0 + j - nside) * vs0 + h * vs1;
+      };
       for (int64_t t0 = 0; t0 < ne; t0 += T) {
         const int64_t n = std::min(T, ne - t0);
-        for (int64_t row = 0; row < R; ++row) {
-          const int64_t limit = ne - qn + row / G + 1;  // exact rows visible to this query
-          const float* qr = qrow(row);
-          for (int64_t t = 0; t < n; ++t) {
-            float acc = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < n; ++t) {
+          load_row(krow(t0 + t), kf.data(), D);
+          for (int64_t row = 0; row < R; ++row) {
+            const int64_t limit = ne - qn + row / G + 1;  // exact rows visible to this query
+            float acc = -kInf;
             if (t0 + t < limit) {
-              const float* kk = ekp + ((es[r] + t0 + t) * H + h) * D;
+              const float* qr = qf.data() + row * D;
               acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-              for (int64_t d = 0; d < D; ++d) acc += qr[d] * kk[d];
+              for (int64_t d = 0; d < D; ++d) acc += qr[d] * kf[d];
             }
             st.p[row * n + t] = acc;
           }
         }
         st.softmax_block(n);
-        for (int64_t t = 0; t < n; ++t) {
-          const float* vv = evp + ((es[r] + t0 + t) * H + h) * D;
-          for (int64_t row = 0; row < R; ++row) {
-            const float pr = st.p[row * n + t];
-            if (pr == 0.f) continue;
-            float* a = st.acc.data() + row * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += pr * vv[d];
-          }
-        }
+        for (int64_t t = 0; t < n; ++t) load_row(vrow(t0 + t), vf.data() + t * D, D);
+        st.add_values(n, vf.data());
+      }
+      if (ns > 1) {  // keep this split's state for the merge
+        const int64_t base = rows_at[r] + (split * H + h) * R;
+        std::copy(st.m.begin(), st.m.end(), pm.begin() + base);
+        std::copy(st.l.begin(), st.l.end(), pl.begin() + base);
+        std::copy(st.acc.begin(), st.acc.end(), pacc.begin() + base * D);
+        continue;
       }
       for (int64_t row = 0; row < R; ++row) {
-        float* o = op + ((q0 + row / G) * Hq + h * G + row % G) * D;
         const float inv = st.l[row] > 0.f ? 1.f / st.l[row] : 0.f;
-        const float* a = st.acc.data() + row * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
+        store_row(st.acc.data() + row * D, op + (q0 + row / G) * os0 + (h * G + row % G) * os1, D, inv);
       }
     }
+  });
+  // ---- merge the splits: out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) ----
+  std::vector<float> acc(D);
+  for (int64_t r = 0; r < nreq; ++r) {
+    const int64_t ns = nsplit[r], q0 = rq[6 * r], R = (rq[6 * r + 1] - q0) * G;
+    if (ns == 1) continue;
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t row = 0; row < R; ++row) {
+        float M = -kInf;
+        for (int64_t sp_ = 0; sp_ < ns; ++sp_) M = std::max(M, pm[rows_at[r] + (sp_ * H + h) * R + row]);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float l = 0.f;
+        for (int64_t sp_ = 0; sp_ < ns && M > -kInf; ++sp_) {
+          const int64_t i = rows_at[r] + (sp_ * H + h) * R + row;
+          if (pm[i] == -kInf) continue;
+          const float w = std::exp(pm[i] - M);
+          l += pl[i] * w;
+          const float* a = pacc.data() + i * D;
+          for (int64_t d = 0; d < D; ++d) acc[d] += a[d] * w;
+        }
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        store_row(acc.data(), op + (q0 + row / G) * os0 + (h * G + row % G) * os1, D, inv);
+      }
+    }
+  }
+}
+
+// kvtier.quant.fit_scale_zero for one group: fp16 bits of (scale, zero) from fp32 min / max
+// (mn > mx: a group without valid entries). The same fp32 operations, so the same fp16 values.
+inline void fit_scale_zero(float mn, float mx, uint16_t& scale_h, uint16_t& zero_h, float& scale, float& zero) {
+  if (mn > mx) mn = mx = 0.f;
+  const float amax = std::max(std::fabs(mn), std::fabs(mx));
+  float s = std::max((mx - mn) / 15.f, amax / 512.f);
+  s = std::max(s, 9.5367431640625e-07f);  // SCALE_EPS = 2**-20
+  scale_h = float_to_half_bits(s * (1.f + 0.0009765625f));
+  scale = half_to_float(scale_h);
+  zero_h = float_to_half_bits(-mn / scale);
+  zero = half_to_float(zero_h);
+}
+
+inline uint8_t code4(float x, float scale, float zero) {
+  const float c = std::nearbyint(x / scale + zero);  // torch.round: half to even
+  return static_cast<uint8_t>(std::min(15.f, std::max(0.f, c)));
+}
+
+template <typename scalar_t>
+void update_impl(const Layout& L, torch::Tensor pages, torch::Tensor side, torch::Tensor key, torch::Tensor value,
+                 torch::Tensor enc, torch::Tensor writes) {
+  const int64_t H = L.H, D = L.D, T = L.T, s = L.s, kg = L.kg, vg = L.vg;
+  const int64_t nkg = T / kg, nvg = D / vg, cb = D / 2;
+  scalar_t* sp = side.data_ptr<scalar_t>();
+  const scalar_t* kp = key.data_ptr<scalar_t>();
+  const scalar_t* vp = value.data_ptr<scalar_t>();
+  uint8_t* pg = pages.data_ptr<uint8_t>();
+  const int64_t* en = enc.data_ptr<int64_t>();
+  const int64_t ks0 = key.stride(0), ks1 = key.stride(1), vs0 = value.stride(0), vs1 = value.stride(1);
+  const int64_t side_row = 2 * H * D;
+  const int64_t used = L.vcodes + H * T * cb;
+  const int64_t nenc = enc.size(0);
+  // ---- pack the blocks this step fills (reads side rows: before any side write) ----
+  at::parallel_for(0, nenc * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> k(T * D), v(T * D);
+    std::vector<uint8_t> codes(T * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / H, h = task % H;
+      const int64_t* e = en + 4 * b;  // page, side slot, side rows, first new token
+      const int64_t slot = e[1], start = e[2], first = e[3];
+      uint8_t* page = pg + e[0] * L.page;
+      if (h == 0) std::memset(page + used, 0, L.page - used);
+      for (int64_t t = 0; t < T; ++t) {
+        const scalar_t* kr = t < start ? sp + (slot * T + t) * side_row + h * D : kp + (first + t - start) * ks0 + h * ks1;
+        const scalar_t* vr =
+            t < start ? sp + (slot * T + t) * side_row + H * D + h * D : vp + (first + t - start) * vs0 + h * vs1;
+        load_row(kr, k.data() + t * D, D);
+        load_row(vr, v.data() + t * D, D);
+        if (t < s) {
+          scalar_t* sk = reinterpret_cast<scalar_t*>(page + L.sink) + ((h * s + t) * 2) * D;
+          std::memcpy(sk, kr, D * sizeof(scalar_t));
+          std::memcpy(sk + D, vr, D * sizeof(scalar_t));
+        }
+      }
+      // keys: per channel over each group of kg tokens (the block's first s tokens left out of the range)
+      uint16_t* ksc = reinterpret_cast<uint16_t*>(page + L.kscale) + h * nkg * D;
+      uint16_t* kzr = reinterpret_cast<uint16_t*>(page + L.kzero) + h * nkg * D;
+      for (int64_t g = 0; g < nkg; ++g) {
+        for (int64_t d = 0; d < D; ++d) {
+          float mn = kInf, mx = -kInf;
+          for (int64_t t = std::max(g * kg, s); t < (g + 1) * kg; ++t) {
+            mn = std::min(mn, k[t * D + d]);
+            mx = std::max(mx, k[t * D + d]);
+          }
+          float scale, zero;
+          fit_scale_zero(mn, mx, ksc[g * D + d], kzr[g * D + d], scale, zero);
+          for (int64_t t = g * kg; t < (g + 1) * kg; ++t) codes[t * D + d] = code4(k[t * D + d], scale, zero);
+        }
+      }
+      uint8_t* kc = page + L.kcodes + h * T * cb;
+      for (int64_t i = 0; i < T * cb; ++i) kc[i] = codes[2 * i] | (codes[2 * i + 1] << 4);
+      // values: per token over groups of vg channels
+      uint16_t* vsc = reinterpret_cast<uint16_t*>(page + L.vscale) + h * T * nvg;
+      uint16_t* vzr = reinterpret_cast<uint16_t*>(page + L.vzero) + h * T * nvg;
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t gg = 0; gg < nvg; ++gg) {
+          const float* x = v.data() + t * D + gg * vg;
+          float mn = kInf, mx = -kInf;
+          for (int64_t d = 0; d < vg; ++d) {
+            mn = std::min(mn, x[d]);
+            mx = std::max(mx, x[d]);
+          }
+          float scale, zero;
+          fit_scale_zero(mn, mx, vsc[t * nvg + gg], vzr[t * nvg + gg], scale, zero);
+          for (int64_t d = 0; d < vg; ++d) codes[t * D + gg * vg + d] = code4(x[d], scale, zero);
+        }
+      }
+      uint8_t* vc = page + L.vcodes + h * T * cb;
+      for (int64_t i = 0; i < T * cb; ++i) vc[i] = codes[2 * i] | (codes[2 * i + 1] << 4);
+    }
+  });
+  // ---- the other new tokens into their side rows ----
+  const int64_t* w = writes.data_ptr<int64_t>();
+  for (int64_t i = 0; i < writes.size(0); ++i) {
+    const int64_t row = w[2 * i], tok = w[2 * i + 1];
+    scalar_t* dst = sp + row * side_row;
+    for (int64_t h = 0; h < H; ++h) {
+      std::memcpy(dst + h * D, kp + tok * ks0 + h * ks1, D * sizeof(scalar_t));
+      std::memcpy(dst + H * D + h * D, vp + tok * vs0 + h * vs1, D * sizeof(scalar_t));
+    }
+  }
+}
+
+// Decode whole pages into token-major rows of the model dtype: PageFormat.decode(pages, dtype), the
+// same fp32 operations ((c - z) * s, then rounded once), written at out[i * T + t, h, :].
+template <typename page_t, typename scalar_t>
+void decode_impl(const Layout& L, torch::Tensor pages, torch::Tensor pids, torch::Tensor ko, torch::Tensor vo) {
+  const int64_t H = L.H, D = L.D, T = L.T, s = L.s, nkg = T / L.kg, nvg = D / L.vg, cb = D / 2;
+  const uint8_t* pg = pages.data_ptr<uint8_t>();
+  const int64_t* pid = pids.data_ptr<int64_t>();
+  scalar_t* kp = ko.data_ptr<scalar_t>();
+  scalar_t* vp = vo.data_ptr<scalar_t>();
+  at::parallel_for(0, pids.size(0) * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / H, h = task % H;
+      const uint8_t* page = pg + pid[i] * L.page;
+      const uint16_t* ks = reinterpret_cast<const uint16_t*>(page + L.kscale) + h * nkg * D;
+      const uint16_t* kz = reinterpret_cast<const uint16_t*>(page + L.kzero) + h * nkg * D;
+      const uint16_t* vs = reinterpret_cast<const uint16_t*>(page + L.vscale) + h * T * nvg;
+      const uint16_t* vz = reinterpret_cast<const uint16_t*>(page + L.vzero) + h * T * nvg;
+      const page_t* sk = reinterpret_cast<const page_t*>(page + L.sink) + h * s * 2 * D;
+      const uint8_t* kc = page + L.kcodes + h * T * cb;
+      const uint8_t* vc = page + L.vcodes + h * T * cb;
+      for (int64_t t = 0; t < T; ++t) {
+        scalar_t* kr = kp + ((i * T + t) * H + h) * D;
+        scalar_t* vr = vp + ((i * T + t) * H + h) * D;
+        if (t < s) {  // exact sink token, stored in the model dtype
+          for (int64_t d = 0; d < D; ++d) {
+            kr[d] = static_cast<scalar_t>(static_cast<float>(sk[t * 2 * D + d]));
+            vr[d] = static_cast<scalar_t>(static_cast<float>(sk[t * 2 * D + D + d]));
+          }
+          continue;
+        }
+        const int64_t g = t / L.kg;
+        for (int64_t d = 0; d < D; ++d) {
+          const float ck = static_cast<float>((kc[t * cb + d / 2] >> (4 * (d & 1))) & 15);
+          const float cv = static_cast<float>((vc[t * cb + d / 2] >> (4 * (d & 1))) & 15);
+          const float k = (ck - half_to_float(kz[g * D + d])) * half_to_float(ks[g * D + d]);
+          const float v = (cv - half_to_float(vz[t * nvg + d / L.vg])) * half_to_float(vs[t * nvg + d / L.vg]);
+          kr[d] = static_cast<scalar_t>(k);
+          vr[d] = static_cast<scalar_t>(v);
+        }
+      }
+    }
+  });
+}
+
+void check_rows(const torch::Tensor& x, const char* what, at::ScalarType dtype) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.scalar_type() == dtype, what,
+              ": [N, heads, D] with contiguous rows in the model dtype");
+}
+
+void check_index(const torch::Tensor& x, const char* what, int64_t cols) {
+  TORCH_CHECK(x.scalar_type() == torch::kInt64 && x.is_contiguous() && (cols == 0 ? x.dim() == 1 : x.dim() == 2 && x.size(1) == cols),
+              what, ": contiguous int64 index of the wrong shape");
+}
+
+}  // namespace
+
+void vllm_paged_attend(
+    torch::Tensor q,          // [N, Hq, D] model dtype (rows contiguous), not yet scaled
+    torch::Tensor key,        // [N, H, D] this step's new keys
+    torch::Tensor value,      // [N, H, D]
+    torch::Tensor side,       // [slots, T, 2, H, D] contiguous side buffer of this layer
+    torch::Tensor pages,      // uint8 [B, page]
+    torch::Tensor reqs,       // int64 [R, 6]: qs, qe, side slot, side rows, head block, head rows
+    torch::Tensor pstart,     // int64 [R+1]
+    torch::Tensor pids,       // int64 [Np]
+    torch::Tensor out,        // [N, Hq, D] fp32 or the model dtype (rows contiguous)
+    double scale,
+    std::vector<int64_t> lay  // H, D, T, kg, vg, s, page, kscale, kzero, vscale, vzero, sink, kcodes, vcodes
+) {
+  const Layout L = read_layout(lay);
+  const auto dt = q.scalar_type();
+  check_rows(q, "q", dt);
+  check_rows(key, "key", dt);
+  check_rows(value, "value", dt);
+  TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1 && (out.scalar_type() == dt || out.scalar_type() == torch::kFloat32),
+              "out: [N, Hq, D] rows contiguous, fp32 or the model dtype");
+  TORCH_CHECK(side.is_contiguous() && side.scalar_type() == dt && side.dim() == 5, "side: contiguous [slots, T, 2, H, D]");
+  TORCH_CHECK(pages.is_contiguous() && pages.size(1) == L.page, "pages: contiguous [B, page]");
+  TORCH_CHECK(L.D % 2 == 0 && L.D <= 512 && q.size(2) == L.D && q.size(1) % L.H == 0, "head_dim / heads");
+  check_index(reqs, "reqs", 6);
+  check_index(pstart, "pstart", 0);
+  check_index(pids, "pids", 0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "vllm_paged_attend", [&] {
+    if (out.scalar_type() == torch::kFloat32)
+      attend_impl<scalar_t, float>(L, q, key, value, side, pages, reqs, pstart, pids, out, scale);
+    else
+      attend_impl<scalar_t, scalar_t>(L, q, key, value, side, pages, reqs, pstart, pids, out, scale);
+  });
+}
+
+void vllm_paged_update(
+    torch::Tensor pages,      // uint8 [B, page]
+    torch::Tensor side,       // [slots, T, 2, H, D]
+    torch::Tensor key,        // [N, H, D]
+    torch::Tensor value,      // [N, H, D]
+    torch::Tensor enc,        // int64 [E, 4]: page, side slot, side rows, first new token of each block to pack
+    torch::Tensor writes,     // int64 [W, 2]: side row (slot * T + offset), new token
+    std::vector<int64_t> lay  // as vllm_paged_attend; 4-bit pages
+) {
+  const Layout L = read_layout(lay);
+  const auto dt = key.scalar_type();
+  check_rows(key, "key", dt);
+  check_rows(value, "value", dt);
+  TORCH_CHECK(side.is_contiguous() && side.scalar_type() == dt && side.dim() == 5, "side: contiguous [slots, T, 2, H, D]");
+  TORCH_CHECK(pages.is_contiguous() && pages.size(1) == L.page, "pages: contiguous [B, page]");
+  TORCH_CHECK(L.D % 2 == 0 && L.T % L.kg == 0 && L.D % L.vg == 0, "layout");
+  check_index(enc, "enc", 4);
+  check_index(writes, "writes", 2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "vllm_paged_update",
+                                  [&] { update_impl<scalar_t>(L, pages, side, key, value, enc, writes); });
+}
+
+void vllm_paged_decode(
+    torch::Tensor pages,      // uint8 [B, page]
+    torch::Tensor pids,       // int64 [n]: pages to decode
+    torch::Tensor key,        // [n * T, H, D] contiguous, fp32 or the model dtype: written
+    torch::Tensor value,      // [n * T, H, D]
+    torch::Tensor like,       // any tensor of the model dtype (the dtype of the pages' sink tokens)
+    std::vector<int64_t> lay  // as vllm_paged_attend; 4-bit pages
+) {
+  const Layout L = read_layout(lay);
+  const auto dt = key.scalar_type();
+  TORCH_CHECK(key.is_contiguous() && value.is_contiguous() && value.scalar_type() == dt, "key, value: contiguous");
+  TORCH_CHECK(key.numel() == pids.numel() * L.T * L.H * L.D && value.numel() == key.numel(), "key, value: [n * T, H, D]");
+  TORCH_CHECK(pages.is_contiguous() && pages.size(1) == L.page, "pages: contiguous [B, page]");
+  check_index(pids, "pids", 0);
+  TORCH_CHECK(dt == like.scalar_type() || dt == torch::kFloat32, "key, value: fp32 or the model dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, like.scalar_type(), "vllm_paged_decode", [&] {
+    if (dt == torch::kFloat32)
+      decode_impl<scalar_t, float>(L, pages, pids, key, value);
+    else
+      decode_impl<scalar_t, scalar_t>(L, pages, pids, key, value);
   });
 }

@@ -1,0 +1,108 @@
+"""One layer's decode attention: kvtier's fused kernel over packed 4-bit pages vs vLLM's bf16 CPU kernel.
+
+``--reqs`` requests of ``--length`` tokens each (SmolLM2-135M's shape: 9 query / 3 KV heads of 64,
+128-token blocks) decode one token; both kernels read their own pages through block tables and
+write a bf16 output; best of ``--rounds`` rounds of ``--iters`` calls, alternating. vLLM venv:
+
+    flock /tmp/kvtier-bench.lock python benchmarks/vllm_paged_kernel.py --threads 1,2 --reqs 1,48
+
+Prints ms per call and the ratio; ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+H, HQ, D, T = 3, 9, 64, 128
+
+
+def case(reqs: int, length: int, iters: int, rounds: int) -> dict:
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvtier.vllm.paged import SideBuffer, attend_layer_fused, plan_step
+    from kvtier.vllm.pages import PageFormat, PagePolicy
+
+    torch.manual_seed(0)
+    fmt = PageFormat(PagePolicy(block_size=T), H, D, torch.bfloat16)
+    nb = -(-length // T)
+    k = torch.randn(reqs * nb * T, H, D).bfloat16()
+    v = torch.randn_like(k)
+    pages = torch.zeros(reqs * nb + 1, fmt.page_bytes, dtype=torch.uint8)
+    pages[1:] = fmt.encode(k.view(-1, T, H, D).transpose(1, 2), v.view(-1, T, H, D).transpose(1, 2))
+    side = SideBuffer(64, T, H, D, torch.bfloat16)
+    table = torch.tensor([[1 + r * nb + j for j in range(nb)] for r in range(reqs)])
+    # every full block before the new token is packed; the new token starts or continues the last block
+    side.packed.update(table[:, : (length - 1) // T].flatten().tolist())
+    for r in range(reqs):
+        if (length - 1) % T:
+            side.assign(int(table[r, (length - 1) // T]), set())
+    plan = plan_step(side, list(range(reqs + 1)), [length] * reqs, table, reqs)
+    q = torch.randn(reqs, HQ, D).bfloat16()
+    kn, vn = torch.randn(reqs, H, D).bfloat16(), torch.randn(reqs, H, D).bfloat16()
+    layer = side.layer("l")
+    out = torch.empty(reqs, HQ, D, dtype=torch.bfloat16)
+
+    isa = _get_attn_isa(torch.bfloat16, T, D, "auto")
+    cache = torch.zeros(reqs * nb + 1, H, T, 2 * D, dtype=torch.bfloat16).view(-1, H, 2 * T, D)
+    kc, vc = cache.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, torch.arange(T, T + k.shape[0]), isa)
+    qsl = torch.arange(reqs + 1, dtype=torch.int32)
+    seq = torch.full((reqs,), length, dtype=torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=reqs, num_heads=HQ, num_kv_heads=H, head_dim=D, seq_lens=seq, dtype=torch.bfloat16,
+        query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
+    )  # fmt: skip
+    out2 = torch.empty_like(out)
+    bt = table.to(torch.int32)
+
+    def kvtier() -> None:
+        attend_layer_fused(fmt, plan, pages, layer, q, kn, vn, D**-0.5, out=out)
+
+    def vllm() -> None:
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=kc, value_cache=vc, output=out2, query_start_loc=qsl, seq_lens=seq,
+            scale=D**-0.5, causal=True, alibi_slopes=None, sliding_window=-1, block_table=bt, softcap=0.0,
+            scheduler_metadata=meta, s_aux=None,
+        )  # fmt: skip
+
+    best = {"kvtier": float("inf"), "vllm": float("inf")}
+    for _ in range(rounds):
+        for name, f in (("kvtier", kvtier), ("vllm", vllm)):
+            for _ in range(3):
+                f()
+            t = time.perf_counter()
+            for _ in range(iters):
+                f()
+            best[name] = min(best[name], (time.perf_counter() - t) / iters * 1e3)
+    return {"kvtier_ms": best["kvtier"], "vllm_ms": best["vllm"], "ratio": best["kvtier"] / best["vllm"], "isa": isa}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--reqs", default="1,48")
+    ap.add_argument("--length", type=int, default=2049)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    results = []
+    for th in map(int, args.threads.split(",")):
+        torch.set_num_threads(th)
+        for reqs in map(int, args.reqs.split(",")):
+            res = {"threads": th, "reqs": reqs, **case(reqs, args.length, 200 // reqs + 5, args.rounds)}
+            print(
+                f"threads={th} reqs={reqs}: kvtier {res['kvtier_ms']:.3f} ms, vLLM bf16 {res['vllm_ms']:.3f} ms,"
+                f" kvtier/vLLM {res['ratio']:.2f}",
+                flush=True,
+            )
+            results.append(res)
+    print(json.dumps({"bench": "vllm_paged_kernel", "args": vars(args), "load": os.getloadavg(), "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Prefill chunks over packed pages through vLLM's own CPU attention kernels.
+
+A request of a step with more than :data:`kvtier.vllm.paged.KERNEL_MAX_QUERY` new tokens (a prefill
+chunk) is compute-bound: its new tokens attend everything before them and each other, causal.
+:class:`VllmPrefill` stages, per layer, that request's keys and values in model dtype into a
+scratch paged cache of vLLM's CPU layout (the packed earlier blocks decoded, the exact rows of its
+side slot or of a cached block read in part, then the chunk itself, through vLLM's
+``cpu_attn_reshape_and_cache``) and runs vLLM's ``cpu_attention_with_kv_cache`` over it, writing
+the request's rows of the output in place. The plan (block table, lengths, vLLM's scheduler
+metadata) is made once per step (:meth:`VllmPrefill.plan`) and shared by every layer.
+
+A chunk without packed earlier blocks runs in the model dtype (its keys and values are the model's
+own, exact); one that reads packed blocks runs in fp32, since their decoded values are not values
+of the model dtype (rounding them to bf16 cost +0.015-0.02 nats on the next 64 tokens after 3k).
+Imports vLLM's ops (lazily, in :class:`VllmPrefill`), torch and :mod:`.paged` / :mod:`.pages`;
+used by :mod:`.backend` only, tested against the torch reference in tests/vllm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .paged import RequestPlan, StepPlan, kernel_index
+from .pages import PageFormat
+
+
+@dataclass
+class PrefillPlan:
+    """One prefill request of a step: its scratch blocks, and vLLM's per-call tensors."""
+
+    req: RequestPlan
+    context: int  # tokens before the chunk
+    blocks: int
+    dtype: torch.dtype  # of the scratch pages and vLLM's kernel: fp32 when packed blocks are read
+    query_start_loc: torch.Tensor  # int32 [2]
+    seq_lens: torch.Tensor  # int32 [1]
+    block_table: torch.Tensor  # int32 [1, blocks]
+    slots: torch.Tensor  # int64 [context + chunk]
+    scheduler_metadata: torch.Tensor
+
+
+def decode_rows(fmt: PageFormat, pages: torch.Tensor, ids: list[int], dtype: torch.dtype):  # noqa: ANN201
+    """Token-major ``k, v [len(ids) * T, H, D]`` in ``dtype`` of pages ``ids``: the C++ decoder
+    (:func:`kvtier.kernels.vllm_paged_cpu.decode`, 4-bit) or :meth:`PageFormat.decode` (the same values)."""
+    from ..kernels import vllm_paged_cpu
+
+    n, T, H, D = len(ids), fmt.tokens, fmt.heads, fmt.head_dim
+    if fmt.policy.bits == 4 and dtype in (fmt.dtype, torch.float32) and vllm_paged_cpu.available():
+        k, v = torch.empty(n * T, H, D, dtype=dtype), torch.empty(n * T, H, D, dtype=dtype)
+        vllm_paged_cpu.decode(pages, torch.tensor(ids, dtype=torch.long), k, v, fmt.dtype, fmt.layout())
+        return k, v
+    k, v = fmt.decode(pages[torch.tensor(ids)], dtype)  # [n, H, T, D]
+    return k.transpose(1, 2).reshape(-1, H, D), v.transpose(1, 2).reshape(-1, H, D)
+
+
+class VllmPrefill:
+    """Prefill chunks of one engine through vLLM's CPU attention (see the module docstring)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype):
+        from vllm import _custom_ops as ops
+        from vllm import envs
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        self.ops, self.split_kv = ops, bool(envs.VLLM_CPU_ATTN_SPLIT_KV)
+        self.Hq, self.H, self.D, self.T, self.dtype = num_heads, num_kv_heads, head_dim, block_size, dtype
+        self.isa = {dt: _get_attn_isa(dt, block_size, head_dim, "auto") for dt in {dtype, torch.float32}}
+        self._scratch = {dt: torch.empty(0, num_kv_heads, block_size, 2 * head_dim, dtype=dt) for dt in self.isa}
+
+    def plan(self, plan: StepPlan) -> list[PrefillPlan]:
+        """The prefill requests of ``plan`` (those the fused kernel leaves: ``kernel_index(plan)["rest"]``)."""
+        out = []
+        for req in kernel_index(plan)["rest"]:
+            c = len(req.packed) * self.T + req.head_rows + req.side_rows
+            n = req.qe - req.qs
+            L = c + n
+            blocks = -(-L // self.T)
+            # with packed earlier blocks, fp32: their decoded values are not values of the model dtype
+            dtype = torch.float32 if req.packed or req.head_rows else self.dtype
+            qsl = torch.tensor([0, n], dtype=torch.int32)
+            seq = torch.tensor([L], dtype=torch.int32)
+            meta = self.ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=1,
+                num_heads=self.Hq,
+                num_kv_heads=self.H,
+                head_dim=self.D,
+                seq_lens=seq,
+                dtype=dtype,
+                query_start_loc=qsl,
+                causal=True,
+                sliding_window_size=-1,
+                isa=self.isa[dtype],
+                enable_kv_split=self.split_kv,
+            )
+            table = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
+            slots = torch.arange(L, dtype=torch.long)
+            out.append(PrefillPlan(req, c, blocks, dtype, qsl, seq, table, slots, meta))
+        return out
+
+    def scratch(self, blocks: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[blocks, H, T, 2 * D]`` scratch pages (grown on demand, shared by every layer and request).
+        Zeroed when made: vLLM's kernel reads a last block's rows past the sequence (masked, but a
+        NaN there would still reach the output), so they must always hold finite values."""
+        if self._scratch[dtype].shape[0] < blocks:
+            self._scratch[dtype] = torch.zeros(blocks, self.H, self.T, 2 * self.D, dtype=dtype)
+        return self._scratch[dtype][:blocks]
+
+    @torch.no_grad()
+    def attend(
+        self,
+        fmt: PageFormat,
+        p: PrefillPlan,
+        pages: torch.Tensor,
+        side: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Write ``out[qs:qe]`` (``[N, Hq, D]``, model dtype) of prefill request ``p`` of this layer."""
+        req, dt = p.req, p.dtype
+        q, k, v = query[req.qs : req.qe], key[req.qs : req.qe], value[req.qs : req.qe]
+        if p.context:  # the earlier tokens, token-major [context, H, D], then the chunk
+            ks, vs = [], []
+            if req.packed:  # [p * T, H, D]
+                kd, vd = decode_rows(fmt, pages, req.packed, dt)
+                ks.append(kd)
+                vs.append(vd)
+            if req.head_rows:
+                kd, vd = fmt.decode(pages[req.head_block : req.head_block + 1], dt)
+                ks.append(kd[0, :, : req.head_rows].transpose(0, 1))
+                vs.append(vd[0, :, : req.head_rows].transpose(0, 1))
+            if req.side_rows:
+                rows = side[req.side_slot, : req.side_rows].to(dt)  # [n, 2, H, D]
+                ks.append(rows[:, 0])
+                vs.append(rows[:, 1])
+            k, v = torch.cat([*ks, k.to(dt)]), torch.cat([*vs, v.to(dt)])
+        cache = self.scratch(p.blocks, dt).view(p.blocks, self.H, 2 * self.T, self.D)
+        kc, vc = cache.chunk(2, dim=2)
+        self.ops.cpu_attn_reshape_and_cache(k, v, kc, vc, p.slots, self.isa[dt])
+        o = out[req.qs : req.qe] if dt == out.dtype else torch.empty(q.shape, dtype=dt)
+        self.ops.cpu_attention_with_kv_cache(
+            query=q.to(dt),
+            key_cache=kc,
+            value_cache=vc,
+            output=o,
+            query_start_loc=p.query_start_loc,
+            seq_lens=p.seq_lens,
+            scale=scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=p.block_table,
+            softcap=0.0,
+            scheduler_metadata=p.scheduler_metadata,
+            s_aux=None,
+        )
+        if o.data_ptr() != out[req.qs : req.qe].data_ptr():
+            out[req.qs : req.qe] = o
