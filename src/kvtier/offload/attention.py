@@ -224,7 +224,7 @@ def _attend_kernel(
         else:
             forced_from = torch.full((R,), n, dtype=torch.long)
         if policy.unlimited:
-            keep = nonempty(fields).unsqueeze(2).expand(B, H, R, n).contiguous()
+            keep = nonempty(fields["valid_bits"]).unsqueeze(2).expand(B, H, R, n).contiguous()
             scores, scored = torch.zeros(keep.shape).masked_fill(~keep, float("-inf")), 0
         else:
             keep, scores, counts = offload_cpu.offload_select(

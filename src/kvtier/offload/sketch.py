@@ -136,9 +136,10 @@ def unpack_valid(bits: torch.Tensor, T: int) -> torch.Tensor:
     return unpack_bits(bits, 1, T).bool()
 
 
-def nonempty(fields: dict[str, torch.Tensor]) -> torch.Tensor:
-    """bool ``[B, 1, n]``: blocks holding a valid token (from the packed bits, nothing unpacked)."""
-    return (fields["valid_bits"] != 0).any(-1)
+def nonempty(valid_bits: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, 1, n]``: blocks of ``valid_bits [B, 1, n, ceil(T/8)]`` holding a valid token
+    (from the packed bits, nothing unpacked)."""
+    return (valid_bits != 0).any(-1)
 
 
 def query_rows(rows: torch.Tensor, sketch: KeySketch) -> torch.Tensor:

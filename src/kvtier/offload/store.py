@@ -410,7 +410,11 @@ class BlockStore(NotCopyable):
             return []
         x = ids.reshape(-1).to("cpu", torch.long).unique()  # sorted
         x = x[(x >= 0) & (x < self.capacity)]
-        return [(self._paths[s], lo * self.record_bytes, (b - a) * self.record_bytes) for a, b, s, lo in self._runs(x)]
+        return self._file_ranges(self._runs(x))
+
+    def _file_ranges(self, runs: list[tuple[int, int, int, int]]) -> list[tuple[str, int, int]]:
+        """``(path, offset, length)`` of each run of :meth:`_runs` (disk backend)."""
+        return [(self._paths[s], lo * self.record_bytes, (b - a) * self.record_bytes) for a, b, s, lo in runs]
 
     def addresses(self, ids: torch.Tensor) -> torch.Tensor:
         """``"cpu"`` backend: the memory address of each record ``ids`` (int64, any shape; ``-1``
@@ -475,7 +479,7 @@ class BlockStore(NotCopyable):
             shown = f"{recs[:8]}" if len(recs) <= 8 else f"{recs[:8]} (and {len(recs) - 8} more)"
             raise RecordError(f"record(s) {shown} cannot be read: {self._shrunk(bad)}", recs)
         if self.backend == "disk" and len(runs) > 1:  # queue every run's read at once, then copy
-            readahead([(self._paths[s], lo * self.record_bytes, (b - a) * self.record_bytes) for a, b, s, lo in runs])
+            readahead(self._file_ranges(runs))
         views: dict[int, np.ndarray] = {}
         try:
             for a, b, s, lo in runs:

@@ -345,7 +345,7 @@ class OffloadTier(NotCopyable):
         n = self.nblocks
         if old == n:
             return keep
-        new = nonempty({"valid_bits": self.fields["valid_bits"][:, :, old:]}).unsqueeze(2).expand(B, H, R, n - old)
+        new = nonempty(self.fields["valid_bits"][:, :, old:]).unsqueeze(2).expand(B, H, R, n - old)
         return torch.cat([keep, new], dim=-1)
 
     def reused_selection(self, B: int, H: int, R: int) -> torch.Tensor | None:
@@ -405,7 +405,7 @@ class OffloadTier(NotCopyable):
         known = self.predicted.shape[2]
         mask = torch.ones(B, H, n, dtype=torch.bool)
         mask[:, :, :known] = self.predicted[:, :, :n].cpu()
-        return mask & nonempty(self.fields).cpu()  # [B, 1, n]: blocks holding real tokens
+        return mask & nonempty(self.fields["valid_bits"]).cpu()  # [B, 1, n]: blocks holding real tokens
 
     def predicted_ranges(self) -> list[tuple[str, int, int]]:
         """Disk store: the file ranges of the predicted blocks' records (for the step's readahead)."""
