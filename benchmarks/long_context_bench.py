@@ -13,7 +13,8 @@ bytes; quality at 8k is measured by ``kvtier eval ppl`` / ``kvtier eval recall``
 
 Decode: greedy from the token after the prompt, ``--threads`` torch threads (default 1), caches
 interleaved round-robin over ``--rounds`` bursts of ``--new-tokens``; the median burst is
-reported. ``--drop-page-cache``: before every decode step of a disk cache its files are written
+reported. ``--max-blocks M ...`` adds offload-cpu rows with other read budgets (``none``: no
+cap). ``--drop-page-cache``: before every decode step of a disk cache its files are written
 back and dropped from the page cache (outside the timing). ``--quality N``: after the timing, N
 more decode steps per offload cache with the skipped-mass diagnostic on (reads every block: slow,
 not timed).
@@ -104,6 +105,7 @@ def selection_row(d: dict) -> dict:
         "hits": d["hits"],
         "misses": d["misses"],
         "stall_ms_per_call": 1000 * d["stall_s"] / max(1, d["calls"]),
+        "est_skipped_mean": d["est_skipped_mass"] / d["est_skipped_rows"] if d["est_skipped_rows"] else 0.0,
     }
 
 
@@ -116,6 +118,13 @@ def main() -> None:
     ap.add_argument("--prefill-threads", type=int, default=2)
     ap.add_argument("--presets", nargs="+", default=["dynamic", "default", "offload-cpu", "offload-disk"])
     ap.add_argument("--reuse-steps", type=int, nargs="*", default=[], help="extra offload-cpu rows with reuse")
+    ap.add_argument(
+        "--max-blocks",
+        nargs="*",
+        default=[],
+        type=lambda a: None if a == "none" else int(a),
+        help="extra offload-cpu rows with this read budget ('none': the mass rule alone)",
+    )
     ap.add_argument("--kv-file", default=None, help="load the prefilled keys/values from here, or save them")
     ap.add_argument("--drop-page-cache", action="store_true", help="disk caches read every block from the device")
     ap.add_argument("--quality", type=int, default=0, help="untimed steps measuring the skipped attention mass")
@@ -134,6 +143,7 @@ def main() -> None:
     dtype = model.dtype
     specs = [cache_spec(p) if not p.startswith("offload") else offload_spec(p) for p in args.presets]
     specs += [offload_spec("offload-cpu", reuse_steps=r) for r in args.reuse_steps]
+    specs += [offload_spec("offload-cpu", max_blocks=m) for m in args.max_blocks]
     results = []
     for n in args.lengths:
         states = {}
@@ -178,6 +188,7 @@ def main() -> None:
             if spec.name in before:
                 now = dataclasses.asdict(cache.offload_stats())
                 row.update(selection_row({k: now[k] - before[spec.name][k] for k in now}))
+                row["est_skipped_max"] = now["est_skipped_max"]
                 if args.quality:
                     layers = offload_layers(cache)
                     for layer in layers:
@@ -197,14 +208,23 @@ def main() -> None:
             f"\n{n} tokens, decode with {args.threads} thread(s)"
             + (", page cache dropped" if args.drop_page_cache else "")
         )
-        print(f"{'cache':<34}{'ms/tok':>8}{'vs full':>8}{'resident/fp16':>14}{'read':>7}{'scored':>7}{'reuse hit':>10}")
+        print(
+            f"{'cache':<34}{'ms/tok':>8}{'vs full':>8}{'resident/fp16':>14}{'read':>7}{'scored':>7}"
+            f"{'reuse hit':>10}{'est skip':>9}"
+        )
         for r in rows:
             r["vs_dynamic"] = r["tok_s"] / base
             f = {k: float("nan") if r.get(k) is None else r[k] for k in ("resident_vs_fp16", "read_fraction")}
-            f.update({k: float("nan") if r.get(k) is None else r[k] for k in ("scored_fraction", "reuse_hit_rate")})
+            f.update(
+                {
+                    k: float("nan") if r.get(k) is None else r[k]
+                    for k in ("scored_fraction", "reuse_hit_rate", "est_skipped_mean")
+                }
+            )
             print(
                 f"{r['cache']:<34}{r['ms_per_token']:>8.1f}{r['vs_dynamic']:>8.2f}{f['resident_vs_fp16']:>14.4f}"
-                f"{f['read_fraction']:>7.3f}{f['scored_fraction']:>7.3f}{f['reuse_hit_rate']:>10.3f}",
+                f"{f['read_fraction']:>7.3f}{f['scored_fraction']:>7.3f}{f['reuse_hit_rate']:>10.3f}"
+                f"{f['est_skipped_mean']:>9.4f}",
                 flush=True,
             )
         results += rows

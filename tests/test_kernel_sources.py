@@ -135,3 +135,38 @@ def test_cpp_sources_are_package_data():
     assert any(f.endswith(".h") for f in files) and any(f.endswith(".cpp") for f in files)
     missing = [f for f in files if not any(fnmatch.fnmatchcase(f, pat) for pat in patterns)]
     assert not missing, f"not shipped in a wheel: {missing}"
+
+
+def _has_avx512() -> bool:
+    try:
+        return " avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("filename", sorted(p.name for p in CSRC.glob("*.cpp") if "__AVX512F__" in p.read_text()))
+def test_sources_with_avx512_paths_also_compile_for_the_other_isa(filename, tmp_path):
+    """A kernel with AVX-512 block routines must compile both with and without them: the build here
+    covers this machine's side, a syntax-only compile with the other side's flags the other (a
+    name used only in a discarded ``if constexpr`` branch still has to be declared)."""
+    if not _can_build():
+        pytest.skip("no C++ compiler or ninja")
+    import subprocess
+
+    from torch.utils.cpp_extension import include_paths
+
+    from kvtier.kernels import build
+
+    flip = ["-mno-avx512f"] if _has_avx512() else ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+    src = tmp_path / filename
+    src.write_text("#include <torch/extension.h>\n" + build.source(filename))
+    cmd = [os.environ.get("CXX", "c++"), "-std=c++20", "-fsyntax-only", *build.BASE_CFLAGS, *flip, str(src)]
+    cmd += [f"-I{p}" for p in include_paths()] + [f"-isystem{sysconfig_include()}"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def sysconfig_include() -> str:
+    import sysconfig
+
+    return sysconfig.get_paths()["include"]

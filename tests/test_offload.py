@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import gc
 import os
+import warnings
 
 import pytest
 import torch
@@ -395,6 +396,46 @@ def test_select_offloaded_rule():
     forced = torch.tensor([False, False, True, False, True])
     keep = select_offloaded(lse, res, OffloadPolicy(mass=0.4, min_blocks=0), forced)
     assert keep.flatten().tolist() == [False, False, True, False, False]  # empty never kept
+
+
+def test_estimated_skipped_share():
+    from kvtier.offload.attention import budget_binds, estimated_skipped
+
+    # resident mass 0.5, blocks 0.3, 0.15, 0.04, 0.01 (of the total); one empty block
+    lse = torch.log(torch.tensor([0.04, 0.3, 0.01, 0.15, 0.0]))[None, None, None]
+    res = torch.log(torch.tensor([0.5]))[None, None]
+    keep = torch.tensor([False, True, False, True, False])[None, None, None]
+    assert float(estimated_skipped(lse, keep, res)) == pytest.approx(0.05, rel=1e-5)
+    assert float(estimated_skipped(lse, torch.isfinite(lse), res)) == 0.0
+    assert budget_binds(OffloadPolicy(max_blocks=4), 5) and not budget_binds(OffloadPolicy(max_blocks=5), 5)
+    assert not budget_binds(OffloadPolicy(max_blocks=None), 10**6)
+
+
+@pytest.mark.parametrize("force", [None, "torch"])  # the C++ path (where it builds) and the torch path
+def test_read_budget_reports_its_estimated_skip_and_warns(force):
+    B, H, gqa, q, D = 3, 2, 2, 3, 12
+    query = torch.randn(B, H * gqa, q, D, generator=torch.Generator().manual_seed(4))
+    layer, _, _, valid = build_layer(off_policy(mass=None, max_blocks=1, min_blocks=0), q=q)
+    assert layer.cold.nblocks > 1
+    with pytest.warns(kvtier.BudgetWarning, match="max_blocks=1"):
+        tiered_attention(layer, query, mask_for(valid, q), 0.05, force=force)  # small scale: diffuse
+    st = layer.cold.stats
+    assert st.est_skipped_rows == B * H * gqa * q
+    assert 0.05 < st.est_skipped_mass / st.est_skipped_rows <= st.est_skipped_max <= 1.0
+    # no cap, or a cap the layer's blocks fit under: nothing estimated, no warning
+    for changes in (dict(max_blocks=None), dict(max_blocks=layer.cold.nblocks)):
+        layer, _, _, valid = build_layer(off_policy(mass=0.9, min_blocks=0, **changes), q=q)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", kvtier.BudgetWarning)
+            tiered_attention(layer, query, mask_for(valid, q), 0.05, force=force)
+        assert layer.cold.stats.est_skipped_rows == 0
+
+
+@pytest.mark.parametrize("name", ["offload-cpu", "offload-disk"])
+def test_offload_presets_read_budget_never_binds_up_to_8k(name):
+    pol = kvtier.get_policy(name)
+    cold_blocks_at_8k = -(-(8192 - pol.sink_tokens - pol.hot_tokens) // pol.block_tokens)
+    assert pol.offload.max_blocks is not None and cold_blocks_at_8k <= pol.offload.max_blocks
 
 
 @pytest.mark.parametrize("D,T,R", [(12, 7, 1), (16, 8, 5), (64, 64, 3)])

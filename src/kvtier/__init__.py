@@ -12,7 +12,7 @@ transformers; the transformers adapter's names (``TieredCache``, ``TieredLayer``
 from typing import Any
 
 from .diagnostics import MemoryReport, memory_report
-from .errors import CacheFullError, KVTierError
+from .errors import BudgetWarning, CacheFullError, KVTierError
 from .offload import OffloadError
 from .policy import PRESETS, AdaptivePolicy, OffloadPolicy, SparsePolicy, TierPolicy, get_policy
 
@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PRESETS",
+    "BudgetWarning",
     "CacheFullError",
     "KVTierError",
     "MemoryReport",

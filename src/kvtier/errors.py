@@ -1,4 +1,4 @@
-"""kvtier's exceptions (a leaf module: imports nothing of kvtier).
+"""kvtier's exceptions and warnings (a leaf module: imports nothing of kvtier).
 
 Every error kvtier raises on purpose is a :class:`KVTierError` (or a ``ValueError``/``TypeError``
 for a bad argument), with a one-line message that says what to do.
@@ -14,3 +14,8 @@ class KVTierError(RuntimeError):
 class CacheFullError(KVTierError):
     """A call would make a capped cache (``TieredCache(..., max_bytes=N, on_full="error")``) hold
     more than ``N`` bytes; the cache is left as it was before the call."""
+
+
+class BudgetWarning(UserWarning):
+    """An approximation budget the user chose (e.g. ``OffloadPolicy.max_blocks``) is cutting more
+    than a small share of what exact attention would read: output is no longer near-exact."""

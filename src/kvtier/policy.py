@@ -156,7 +156,13 @@ class OffloadPolicy:
         tails: on SmolLM2 at 4k tokens (decode rows) it keeps 80% of a row's blocks (92% of a
         KV head's union) and misses 0.035% of the true attention mass on average (worst row
         5%); 0.999 keeps 63% (81%) but misses 0.31% on average and up to 38% in the worst row.
-    max_blocks : at most this many cold blocks per query row (``None``: no cap).
+    max_blocks : the read budget: at most this many cold blocks per query row (``None``: no cap,
+        the ``mass`` rule alone). Where attention is diffuse the mass rule keeps most blocks and
+        decode time grows with the context; the budget bounds it (Quest-style) at the price of
+        the mass beyond it, which the sketches estimate for free: ``offload_stats().est_skipped_*``
+        reports it, and a :class:`~kvtier.errors.BudgetWarning` says when a call's rows leave
+        more than 5 % of it unread on average. The offload presets set 128 (8,192 tokens of 64-token
+        blocks), which never binds up to 8k tokens.
     min_blocks : at least this many (the best-scoring) cold blocks per query row.
     local_window : blocks overlapping the last ``local_window`` tokens before a query are always
         kept (the hot tier already is a local window of at least ``hot_tokens``).
@@ -562,11 +568,18 @@ def _sink_window() -> TierPolicy:
     )
 
 
+#: The offload presets' read budget (cold blocks per query row): 8,192 tokens of 64-token blocks.
+OFFLOAD_READ_BLOCKS = 128
+
+
 def _offload(backend: str) -> TierPolicy:
     # No warm tier: a block leaving the hot window goes straight to the store, its 1-bit key sketch
     # stays. Resident per token and KV head: D/8 + 1 sketch bytes + 2 D + 6 per 64-token block +
     # packed validity, table and key addresses (~11.3 bytes at D = 64, vs 256 for fp16 K/V; 0.044 of
     # fp16), plus the fp16 hot window and sinks (0.0494 of fp16 in all at 32k tokens, measured).
+    # Read budget: 128 blocks (8,192 tokens) per query row; it cannot bind up to 8,192 tokens of
+    # context, so quality there is the mass rule's; beyond, decode time stays nearly flat
+    # (BENCHMARKS.md, "Offload at 8k-32k") and the skipped share is estimated and reported.
     return TierPolicy(
         hot_tokens=64,
         warm_tokens=0,
@@ -575,7 +588,7 @@ def _offload(backend: str) -> TierPolicy:
         block_tokens=64,
         value_group_size=64,
         exact_dtype="half",
-        offload=OffloadPolicy(backend=backend),
+        offload=OffloadPolicy(backend=backend, max_blocks=OFFLOAD_READ_BLOCKS),
         layer_overrides={},
         name=f"offload-{backend}",
     )

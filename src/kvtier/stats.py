@@ -103,6 +103,10 @@ class OffloadStats(_Counters):
     ``skipped_*`` (only while :attr:`kvtier.offload.tier.OffloadTier.measure_skipped` is set): the
     exact softmax mass of the cold blocks a query row did not attend, summed over ``skipped_rows``
     rows, and its largest value.
+    ``est_skipped_*`` (at each fresh selection where the read budget ``max_blocks`` could bind,
+    i.e. a layer holds more cold blocks than it): the same share estimated from the sketches,
+    free to compute, summed over ``est_skipped_rows`` rows, and its largest value. Where only the
+    ``mass`` rule cuts, the estimate is below ``1 - mass`` by construction and is not computed.
     """
 
     calls: int = 0
@@ -123,12 +127,17 @@ class OffloadStats(_Counters):
     skipped_mass: float = 0.0
     skipped_rows: int = 0
     skipped_max: float = 0.0
+    est_skipped_mass: float = 0.0
+    est_skipped_rows: int = 0
+    est_skipped_max: float = 0.0
 
     def add(self, other: OffloadStats) -> None:
-        """Add ``other``'s counts; ``skipped_max`` takes the larger."""
+        """Add ``other``'s counts; ``skipped_max`` and ``est_skipped_max`` take the larger."""
         top = max(self.skipped_max, other.skipped_max)
+        est_top = max(self.est_skipped_max, other.est_skipped_max)
         super().add(other)
         self.skipped_max = top
+        self.est_skipped_max = est_top
 
     @property
     def hit_rate(self) -> float:

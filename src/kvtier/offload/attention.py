@@ -76,6 +76,20 @@ def select_offloaded(
     return keep & finite
 
 
+def estimated_skipped(scores: torch.Tensor, keep: torch.Tensor, lse_resident: torch.Tensor) -> torch.Tensor:
+    """``[B, H, R]``: each row's estimated share of its attention mass in the cold blocks it did
+    not keep - the sketch estimates ``scores [B,H,R,n]`` (log mass; ``-inf``: empty or not scored)
+    of the blocks outside ``keep [B,H,R,n]`` over the estimated total with the exact resident mass
+    ``lse_resident [B,H,R]``."""
+    total = torch.logaddexp(lse_resident, scores.logsumexp(-1))
+    return torch.exp(scores.masked_fill(keep, float("-inf")).logsumexp(-1) - total)
+
+
+def budget_binds(policy: OffloadPolicy, n: int) -> bool:
+    """Whether the read budget ``max_blocks`` can cut a row's selection in a layer of ``n`` cold blocks."""
+    return policy.max_blocks is not None and n > policy.max_blocks
+
+
 def _cold_partials(
     tier: OffloadTier, rows: torch.Tensor, row_pos: torch.Tensor, resident: list[Partial], start: int, kernel: bool
 ) -> list[Partial]:
@@ -96,6 +110,8 @@ def _cold_partials(
     else:
         lse_res = torch.stack([p.lse for p in resident]).logsumexp(0)  # hot is never empty
         keep = select_offloaded(scores, lse_res, policy, forced)
+        if budget_binds(policy, scores.shape[-1]):
+            tier.note_estimate(estimated_skipped(scores, keep, lse_res))
     tier.observe(keep, scores)
     valid = fields["valid"].expand(B, H, -1, -1)  # [B,H,n,T]
     parts = []
@@ -238,6 +254,8 @@ def _attend_kernel(
                 policy.coarse_tol,
             )
             scored = int(counts.sum())
+            if budget_binds(policy, n):
+                tier.note_estimate(estimated_skipped(scores, keep, lse_res))
         tier.remember_selection(keep, scored)
         if tier.prefetch_enabled:
             tier.observe(keep, scores)

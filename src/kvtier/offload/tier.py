@@ -18,11 +18,13 @@ blocks from the sketches and :meth:`OffloadTier.gather` gets them, from what the
 from __future__ import annotations
 
 import time
+import warnings
 from concurrent.futures import Future
 
 import torch
 
 from ..cache.codecs import value_group
+from ..errors import BudgetWarning
 from ..indexing import union_blocks
 from ..policy import TierPolicy
 from ..stats import OffloadStats
@@ -30,6 +32,10 @@ from .prefetch import Offloader
 from .records import RecordLayout
 from .sketch import KeySketch, nonempty, unpack_valid
 from .store import BlockStore, NotCopyable, OffloadError, RecordError, store_capacity
+
+#: :meth:`OffloadTier.note_estimate` warns when a call's rows leave more than this mean share of
+#: their estimated attention mass unread because of the read budget.
+BUDGET_WARN_SHARE = 0.05
 
 
 class OffloadTier(NotCopyable):
@@ -387,6 +393,25 @@ class OffloadTier(NotCopyable):
         self.stats.skipped_mass += float(skipped.sum())
         self.stats.skipped_rows += skipped.numel()
         self.stats.skipped_max = max(self.stats.skipped_max, float(skipped.max()))
+
+    def note_estimate(self, skipped: torch.Tensor) -> None:
+        """Add a fresh selection's estimated skipped shares ``skipped [B,H,R]`` (see
+        :func:`kvtier.offload.attention.estimated_skipped`) to ``stats.est_skipped_*``; warn (once
+        per message, Python's default filter) when a call's mean share exceeds
+        :data:`BUDGET_WARN_SHARE`: the read budget, not the mass rule, then decides the output."""
+        st = self.stats
+        st.est_skipped_mass += float(skipped.sum())
+        st.est_skipped_rows += skipped.numel()
+        st.est_skipped_max = max(st.est_skipped_max, float(skipped.max()))
+        if float(skipped.mean()) > BUDGET_WARN_SHARE:
+            warnings.warn(
+                f"kvtier offload: the read budget (OffloadPolicy.max_blocks={self.policy.max_blocks}) left more "
+                f"than {BUDGET_WARN_SHARE:.0%} of the estimated attention mass unread in a layer: attention is "
+                "diffuse at this length; raise max_blocks (None: the mass rule alone, every block it needs) "
+                "for exact-quality output. cache.offload_stats().est_skipped_* has the numbers.",
+                BudgetWarning,
+                stacklevel=2,
+            )
 
     # --- prefetch -----------------------------------------------------------------------------
     @property

@@ -520,12 +520,15 @@ std::vector<torch::Tensor> attend_impl(torch::Tensor rows, torch::Tensor keep, t
         ++blocks;
         const uint8_t* okb = ok + (b * n + j) * TB;
         // 1. scores of the kept rows into sc[r * T + t] (-inf for invalid tokens)
+#if defined(__AVX512F__)  // the block routines exist only there (a discarded branch still needs them declared)
         if constexpr (fast) {
           const uint8_t* K = reinterpret_cast<const uint8_t*>(kaddr);
           if (dt == 0) scores64_rows<0>(qb, rk.data(), nr, K, okb, T, sc.data());
           else if (dt == 1) scores64_rows<1>(qb, rk.data(), nr, K, okb, T, sc.data());
           else scores64_rows<2>(qb, rk.data(), nr, K, okb, T, sc.data());
-        } else {
+        } else
+#endif
+        {
           to_float(reinterpret_cast<const void*>(kaddr), dt, T * D, kf.data());
           for (int64_t i = 0; i < nr; ++i) {
             const float* qr = qb + rk[i] * D;
@@ -568,12 +571,15 @@ std::vector<torch::Tensor> attend_impl(torch::Tensor rows, torch::Tensor keep, t
         if (nv == 0) continue;
         // 3. values
         const int64_t vaddr = va[bh * n + j];
+#if defined(__AVX512F__)
         if constexpr (fast) {
           const uint8_t* V = reinterpret_cast<const uint8_t*>(vaddr);
           if (dt == 0) values64_rows<0>(rv.data(), nv, V, T, sc.data(), acc.data());
           else if (dt == 1) values64_rows<1>(rv.data(), nv, V, T, sc.data(), acc.data());
           else values64_rows<2>(rv.data(), nv, V, T, sc.data(), acc.data());
-        } else {
+        } else
+#endif
+        {
           to_float(reinterpret_cast<const void*>(vaddr), dt, T * D, vf.data());
           for (int64_t i = 0; i < nv; ++i) {
             const float* x = sc.data() + rv[i] * T;
