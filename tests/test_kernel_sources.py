@@ -170,3 +170,13 @@ def sysconfig_include() -> str:
     import sysconfig
 
     return sysconfig.get_paths()["include"]
+
+
+def test_a_left_over_build_lock_is_named_before_torch_waits_on_it(tmp_path, monkeypatch):
+    from kvtier.kernels import build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert build.lock_notice("kvtier_demo_v1") is None
+    (tmp_path / "kvtier_demo_v1" / "lock").touch()
+    notice = build.lock_notice("kvtier_demo_v1")
+    assert notice and str(tmp_path / "kvtier_demo_v1" / "lock") in notice and "delete it" in notice

@@ -436,6 +436,14 @@ def test_offload_presets_read_budget_never_binds_up_to_8k(name):
     pol = kvtier.get_policy(name)
     cold_blocks_at_8k = -(-(8192 - pol.sink_tokens - pol.hot_tokens) // pol.block_tokens)
     assert pol.offload.max_blocks is not None and cold_blocks_at_8k <= pol.offload.max_blocks
+    assert pol.offload.reuse_every(cold_blocks_at_8k) == 1  # a fresh selection every step up to 8k
+
+
+def test_auto_reuse_amortizes_selection_beyond_the_read_budget():
+    auto = OffloadPolicy(max_blocks=128, reuse_steps=None)
+    assert [auto.reuse_every(n) for n in (0, 1, 128, 129, 256, 257, 512)] == [1, 1, 1, 2, 2, 3, 4]
+    assert OffloadPolicy(max_blocks=None, reuse_steps=None).reuse_every(10**5) == 1
+    assert OffloadPolicy(max_blocks=128, reuse_steps=3).reuse_every(10**5) == 3
 
 
 @pytest.mark.parametrize("D,T,R", [(12, 7, 1), (16, 8, 5), (64, 64, 3)])

@@ -139,3 +139,16 @@ def test_skipped_mass_is_zero_when_every_block_is_attended():
     layer.cold.measure_skipped = True
     tiered_attention(layer, torch.randn(3, 4, 1, 12), mask_for(valid, 1), 0.3)
     assert layer.cold.stats.skipped_rows > 0 and layer.cold.stats.skipped_max < 1e-6
+
+
+@pytest.mark.filterwarnings("ignore::kvtier.BudgetWarning")
+def test_auto_reuse_serves_ceil_n_over_budget_steps():
+    probe, *_ = build_layer(off_policy(prefetch=False), q=1)
+    n = probe.cold.nblocks
+    pol = off_policy(prefetch=False, mass=0.6, min_blocks=1, max_blocks=-(-n // 3), reuse_steps=None)
+    assert pol.offload.reuse_every(n) == 3
+    layer, _, _, valid = build_layer(pol, q=1)
+    query = torch.randn(3, 4, 1, 12, generator=torch.Generator().manual_seed(7))
+    for _ in range(4):
+        tiered_attention(layer, query, mask_for(valid, 1), 0.3)
+    assert layer.cold.stats.reused == 2  # calls 2 and 3 reuse call 1's selection

@@ -177,7 +177,10 @@ class OffloadPolicy:
         from their sketch until the bounds of the blocks left sum to at most this fraction of every
         row's estimated total; ``0`` scores every block.
     reuse_steps : a layer's block selection is recomputed every this many decode steps and reused
-        in between (blocks offloaded since are added); ``1``: every step.
+        in between (blocks offloaded since are added); ``1``: every step. ``None`` (auto, with a
+        read budget): every ``ceil(n / max_blocks)`` steps for a layer of ``n`` cold blocks - every
+        step while the budget cannot bind, and beyond it the selection's O(n) sketch scoring is
+        amortized so that its cost per step stays about that of ``max_blocks`` blocks.
     """
 
     backend: str = "cpu"
@@ -190,7 +193,7 @@ class OffloadPolicy:
     prefetch: bool | None = None
     margin: int = 4
     coarse_tol: float = 0.0
-    reuse_steps: int = 1
+    reuse_steps: int | None = 1
 
     def __post_init__(self) -> None:
         _check_choice("backend", self.backend, OFFLOAD_BACKENDS)
@@ -216,7 +219,7 @@ class OffloadPolicy:
             self.coarse_tol,
             "a number in [0, 1)",
         )
-        _check_count("reuse_steps", self.reuse_steps, allow_none=False, minimum=1, maximum=MAX_BLOCKS)
+        _check_count("reuse_steps", self.reuse_steps, allow_none=True, minimum=1, maximum=MAX_BLOCKS)
         _check(
             self.prefetch is None or isinstance(self.prefetch, bool), "prefetch", self.prefetch, "a bool or None (auto)"
         )
@@ -225,6 +228,12 @@ class OffloadPolicy:
     def unlimited(self) -> bool:
         """True when every cold block is fetched (attention over the offloaded tier is exact)."""
         return self.mass is None and self.max_blocks is None
+
+    def reuse_every(self, nblocks: int) -> int:
+        """Decode steps a selection serves in a layer of ``nblocks`` cold blocks (``reuse_steps``, resolved)."""
+        if self.reuse_steps is not None:
+            return self.reuse_steps
+        return 1 if self.max_blocks is None else max(1, -(-nblocks // self.max_blocks))
 
 
 @dataclass(frozen=True)
@@ -577,8 +586,9 @@ def _offload(backend: str) -> TierPolicy:
     # stays. Resident per token and KV head: D/8 + 1 sketch bytes + 2 D + 6 per 64-token block +
     # packed validity, table and key addresses (~11.3 bytes at D = 64, vs 256 for fp16 K/V; 0.044 of
     # fp16), plus the fp16 hot window and sinks (0.0494 of fp16 in all at 32k tokens, measured).
-    # Read budget: 128 blocks (8,192 tokens) per query row; it cannot bind up to 8,192 tokens of
-    # context, so quality there is the mass rule's; beyond, decode time stays nearly flat
+    # Read budget: 128 blocks (8,192 tokens) per query row, and a selection reused for
+    # ceil(n / 128) steps; neither acts up to 8,192 tokens of context, so quality there is the mass
+    # rule's, fresh every step; beyond, reads and selection work per step stay about flat
     # (BENCHMARKS.md, "Offload at 8k-32k") and the skipped share is estimated and reported.
     return TierPolicy(
         hot_tokens=64,
@@ -588,7 +598,7 @@ def _offload(backend: str) -> TierPolicy:
         block_tokens=64,
         value_group_size=64,
         exact_dtype="half",
-        offload=OffloadPolicy(backend=backend, max_blocks=OFFLOAD_READ_BLOCKS),
+        offload=OffloadPolicy(backend=backend, max_blocks=OFFLOAD_READ_BLOCKS, reuse_steps=None),
         layer_overrides={},
         name=f"offload-{backend}",
     )

@@ -10,7 +10,9 @@ not on where the package is installed, so every checkout and install shares one 
 
 from __future__ import annotations
 
+import os
 import re
+import time
 import warnings
 from collections.abc import Callable
 from importlib import resources
@@ -37,12 +39,36 @@ def load(name: str, filename: str, functions: list[str], cflags: tuple[str, ...]
     """
     from torch.utils.cpp_extension import load_inline
 
+    waiting = lock_notice(name)
+    if waiting:
+        warnings.warn(waiting, stacklevel=2)
     return load_inline(
         name=name,
         cpp_sources=[source(filename)],
         functions=functions,
         extra_cflags=[*BASE_CFLAGS, *cflags],
         verbose=False,
+    )
+
+
+def lock_notice(name: str) -> str | None:
+    """A message when torch's build lock of module ``name`` exists, else None.
+
+    torch waits, silently and without end, while ``<build dir>/lock`` exists: a build of the same
+    module in another process holds it, or a build that was killed left it behind.
+    """
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # private: skip the notice if it moves
+
+        lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
+    except Exception:  # noqa: BLE001 - the notice is a courtesy, never a failure
+        return None
+    if not os.path.exists(lock):
+        return None
+    age = (time.time() - os.path.getmtime(lock)) / 60
+    return (
+        f"kvtier: waiting for the build lock {lock} ({age:.0f} min old): another process is building "
+        f"{name}, or a killed build left the file; if no build is running, delete it"
     )
 
 

@@ -22,7 +22,7 @@ are exact) does steps 2-4 in two calls per layer (:mod:`kvtier.kernels.offload_c
 could still matter are scored from their sketch (``OffloadPolicy.coarse_tol``) - and exact
 attention reading each selected record where it lies in a host-RAM store (no gather copy), or in
 the buffers :meth:`OffloadTier.gather` read (disk, prefetch), merged with the resident part.
-A layer may reuse its previous selection for ``OffloadPolicy.reuse_steps - 1`` decode steps.
+A layer may reuse its previous selection for ``OffloadPolicy.reuse_every(n) - 1`` decode steps.
 Its references are :func:`select_two_level_torch` and :func:`attend_blocks_torch`.
 """
 

@@ -356,11 +356,12 @@ class OffloadTier(NotCopyable):
 
     def reused_selection(self, B: int, H: int, R: int) -> torch.Tensor | None:
         """The previous selection, extended to blocks offloaded since, when this call may reuse it
-        (``policy.reuse_steps``; the same batch, heads and rows); else None."""
-        if self.policy.reuse_steps <= 1 or self._selection is None:
+        (``policy.reuse_every``; the same batch, heads and rows); else None."""
+        steps = self.policy.reuse_every(self.nblocks)
+        if steps <= 1 or self._selection is None:
             return None
         keep, age = self._selection
-        if age + 1 >= self.policy.reuse_steps or keep.shape[:3] != (B, H, R) or keep.shape[3] > self.nblocks:
+        if age + 1 >= steps or keep.shape[:3] != (B, H, R) or keep.shape[3] > self.nblocks:
             return None
         keep = self._padded(keep)
         self._selection = (keep, age + 1)
