@@ -192,3 +192,13 @@ def test_plan_prices_the_eviction_rung():
     slack = report.tokens["cold"] // 3 * 2 * 16 // 8  # the greedy rule spends to within one width step
     assert abs(planned.total_bytes - report.total_bytes) <= 0.02 * report.total_bytes + slack
     assert abs(planned.tokens["evicted"] - report.tokens["evicted"]) <= 3 * 2 * 16
+
+
+def test_cache_spec_sets_adaptive_fields():
+    from kvtier.eval.caches import cache_spec
+
+    spec = cache_spec("adaptive@2.5:keep=0.25:fit_tokens=1024")
+    assert spec.policy.adaptive == AdaptivePolicy(bits=2.5, keep=0.25, fit_tokens=1024)
+    assert cache_spec("adaptive@3").policy.adaptive.keep == 0.5  # the preset's rung
+    with pytest.raises(ValueError, match="adaptive@"):
+        cache_spec("adaptive@2.5:nope=1")
