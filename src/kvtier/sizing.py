@@ -191,6 +191,10 @@ def layer_estimate(
     warm_cap = blocks if policy.warm_tokens is None else min(blocks, policy.warm_tokens // T)
     if budget is not None:  # sized when the last block left the hot window (one token at a time: here)
         warm_cap = int(min(warm_cap, budget.warm_blocks(hot_start + policy.hot_tokens, blocks, planned=True)))
+        group = budget.adaptive.keep_blocks[1]  # the eviction rung steps down whole groups
+        if group > 1:  # (kvtier.cache.state.LayerState._push_warm: up to g - 1 wait in warm)
+            warm_cap = max(0, warm_cap - (group - 1))
+            warm_cap += (blocks - warm_cap) % group
     cold_blocks = blocks - warm_cap
     warm_codec, cold_codec = make_codecs(policy, D)
     nbytes = {"sink": 0, "hot": 2 * B * H * capacity * D * elt, "warm": 0, "cold": 0}
@@ -205,9 +209,11 @@ def layer_estimate(
 
         nbytes["cold"], nbytes["store"] = planned_bytes(policy, B, H, cold_blocks, D, storage_dtype(policy, dtype))
         tokens["cold"] = cold_blocks * T
-    elif cold_blocks and budget is not None:
+    elif cold_blocks and budget is not None:  # planned_rates: per token stepping down (``keep`` included)
         nbytes["cold"] = int(round(budget.planned_rates()[0] / budget.layers * cold_blocks * T))
-        tokens["cold"] = cold_blocks * T
+        j, g = budget.adaptive.keep_blocks
+        kept = (cold_blocks // g * j + cold_blocks % g) * T
+        tokens["cold"], tokens["evicted"] = kept, cold_blocks * T - kept
     elif cold_blocks:
         if cold_codec is None:
             tokens["evicted"] = cold_blocks * T

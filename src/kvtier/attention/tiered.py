@@ -154,9 +154,9 @@ def tiered_attention(
     ``plan``: the call's plan (default: :func:`~kvtier.attention.plan.plan_for`, memoized in
     ``mask``); ``force``: a backend name (see :mod:`kvtier.attention.plan`), overriding the layer's.
     """
-    if layer.budget is not None:  # an adaptive layer measures its queries during its warm-up
+    if layer.budget is not None:  # an adaptive layer measures its queries (warm-up, eviction rung)
         B, Hq, q, D = query.shape
-        layer.observe_queries((query.float() * scaling).reshape(B, layer.kv_heads, (Hq // layer.kv_heads) * q, D))
+        layer.observe_queries((query.float() * scaling).reshape(B, layer.kv_heads, (Hq // layer.kv_heads) * q, D), q)
     if plan is None:
         plan = plan_for(layer, query, mask, force)
     if plan.path in ("reference", "sdpa"):  # the oracle; or only exact hot tokens: the plain SDPA call

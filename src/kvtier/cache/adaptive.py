@@ -27,6 +27,12 @@ How the allocation works (calibration-free: it measures the text being cached):
 4. From then on a layer keeps as many recent blocks in the warm tier (``warm_bits``) as the budget
    allows at the current length (:meth:`Budget.warm_blocks`); its oldest warm blocks step down to
    the layer's cold widths when the budget is reached.
+5. The eviction rung (``keep < 1``): blocks step down ``g`` at a time and only ``keep * g`` blocks'
+   worth of their tokens stay, chosen per sequence and KV head by :func:`select_by_attention` (the
+   attention mass the queries of the step that demotes them give them, SnapKV-style); the rest are
+   dropped. The cold code budget of step 3 is then spread over the kept tokens only, so what stays
+   gets wider codes. Cold tokens are older than every query and stored post-RoPE, so keeping a
+   subset in any order is only fewer tokens to attend to (no position or mask changes).
 """
 
 from __future__ import annotations
@@ -185,6 +191,85 @@ def allocate(
     return {layer: (widths[state[(layer, "k")]], widths[state[(layer, "v")]]) for layer in errors}
 
 
+#: Width of the average pooling of the per-token attention mass before the choice (SnapKV's
+#: clustering: a token next to attended ones is kept with them); 1 = none.
+SCORE_POOL = 7
+
+
+@torch.no_grad()
+def attention_mass(
+    rows: torch.Tensor,
+    k: torch.Tensor,
+    valid: torch.Tensor,
+    row_weight: torch.Tensor | None = None,
+    context: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> torch.Tensor:
+    """Attention mass each candidate token receives from the observation rows.
+
+    Parameters
+    ----------
+    rows : scaled query rows ``[B, H, R, D]`` (the query heads of a KV head folded into ``R``).
+    k : candidate keys ``[B, H, N, D]`` (as attention sees them).
+    valid : bool ``[B, N]``: real candidates (pads and captured sinks are not).
+    row_weight : ``[B, R]`` weight of each row (0 for queries at pad positions), or None (all 1).
+    context : other ``(keys [B, H, M, D], valid bool [B, M])`` in each row's softmax (sinks, hot):
+        the mass is the candidates' share of the row's attention over candidates and context.
+
+    Returns
+    -------
+    ``[B, H, N]`` float32: summed over rows, 0 for invalid candidates.
+    """
+    rows = rows.float()
+    s = rows @ k.float().transpose(-1, -2)  # [B,H,R,N]
+    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    for ck, cv in context or []:
+        cs = (rows @ ck.float().transpose(-1, -2)).masked_fill(~cv[:, None, None, :], float("-inf"))
+        lse = torch.logaddexp(lse, torch.logsumexp(cs, -1))
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
+    if row_weight is not None:
+        p = p * row_weight[:, None, :, None].float()
+    return p.sum(2) * valid[:, None, :]
+
+
+@torch.no_grad()
+def select_by_attention(
+    k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, mass: torch.Tensor | None, keep: int, pool: int = SCORE_POOL
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keep ``keep`` of ``N`` tokens per sequence and KV head: the most attended (after average
+    pooling over ``pool`` neighbours), valid before invalid, in time order.
+
+    Parameters
+    ----------
+    k, v : ``[B, H, N, D]``; valid : bool ``[B, N]``.
+    mass : ``[B, H, N]`` from :func:`attention_mass`, or None (no queries seen: the newest tokens).
+    keep : tokens kept per row and head.
+
+    Returns
+    -------
+    ``k, v: [B, H, keep, D]`` and ``valid: bool [B, keep]``. A row with fewer than ``keep`` real
+    tokens keeps all of them and fills with invalid slots: every head of a row then has its real
+    tokens first, so one validity row serves all heads.
+    """
+    B, H, N, D = k.shape
+    if mass is None:
+        score = torch.arange(N, device=k.device, dtype=torch.float32).expand(B, H, N)
+    else:
+        score = mass.float()
+        if pool > 1:
+            score = torch.nn.functional.avg_pool1d(
+                score.reshape(B * H, 1, N), pool, stride=1, padding=pool // 2, count_include_pad=False
+            ).reshape(B, H, N)
+    score = score.masked_fill(~valid[:, None, :], float("-inf"))
+    idx = score.topk(keep, dim=-1).indices  # [B,H,keep]
+    picked_valid = valid[:, None, :].expand(B, H, N).gather(-1, idx)
+    order = (idx + N * (~picked_valid).long()).argsort(-1)  # real tokens first, each in time order
+    idx = idx.gather(-1, order)
+    kept_valid = picked_valid.gather(-1, order)
+    gi = idx.unsqueeze(-1).expand(B, H, keep, D)
+    return k.gather(2, gi), v.gather(2, gi), kept_valid[:, 0]
+
+
 @dataclass(frozen=True)
 class Shape:
     """What the budget needs to know of the layers it covers: rows, KV heads, head dim, count, dtype."""
@@ -214,6 +299,8 @@ class Budget:
         self.widths: dict[int, tuple[int, int]] | None = None  # the allocation, once made
         self.shape: Shape | None = None
         self._rates: tuple[float, float, float] | None = None
+        j, g = self.adaptive.keep_blocks
+        self.keep = j / g  # cold tokens kept per token stepping down (the eviction rung)
 
     # --- what layers call ----------------------------------------------------------------------
     def join(self, layer_idx: int, batch: int, heads: int, dim: int, model_dtype: torch.dtype) -> None:
@@ -280,10 +367,11 @@ class Budget:
         return {w: float(s.batch * s.heads * packed_size(s.dim, w)) for w in self.adaptive.widths}
 
     def code_budget(self) -> float:
-        """Code bytes per token slot, all layers, that ``bits`` leaves at ``fit_tokens`` with no warm window."""
+        """Code bytes per kept cold token slot, all layers, that ``bits`` leaves at ``fit_tokens``
+        with no warm window (``keep`` of the tokens past the hot window kept)."""
         assert self.shape is not None and self.policy.hot_tokens is not None
         fit = self.adaptive.fit_tokens
-        slots = max(1, fit - self.policy.hot_tokens)
+        slots = max(1.0, (fit - self.policy.hot_tokens) * self.keep)
         meta_rate, _ = self._fixed_rates()
         return (self.budget_bytes(fit) - self.exact_bytes()) / slots - meta_rate
 
@@ -295,27 +383,30 @@ class Budget:
         return self.widths
 
     def planned_rates(self) -> tuple[float, float]:
-        """``(cold, warm)`` bytes per token slot, all layers, as priced before a run (``kvtier plan``):
-        the cold codes at the allocation's budget (which the greedy rule spends to within one width
-        step), bounded by the narrowest and widest candidates."""
+        """``(cold, warm)`` bytes per token slot stepping down from / held in the warm tier, all
+        layers, as priced before a run (``kvtier plan``): the cold codes at the allocation's budget
+        (which the greedy rule spends to within one width step), bounded by the narrowest and widest
+        candidates, times ``keep``."""
         meta_rate, warm_rate = self._fixed_rates()
         cb = self.code_bytes()
         lo, hi = 2 * cb[self.adaptive.widths[0]] * self.layers, 2 * cb[self.adaptive.widths[-1]] * self.layers
-        return min(max(self.code_budget(), lo), hi) + meta_rate, warm_rate
+        return (min(max(self.code_budget(), lo), hi) + meta_rate) * self.keep, warm_rate
 
     def rates(self) -> tuple[float, float]:
-        """``(cold, warm)`` bytes per token slot, all layers, once allocated."""
+        """``(cold, warm)`` bytes per token slot stepping down from / held in the warm tier, all
+        layers, once allocated (the cold rate times ``keep``)."""
         assert self.widths is not None
         if self._rates is None:
             meta_rate, warm_rate = self._fixed_rates()
             cb = self.code_bytes()
             codes = sum(cb[k] + cb[v] for k, v in self.widths.values())
             codes += (self.layers - len(self.widths)) * 2 * cb[self.adaptive.widths[0]]
-            self._rates = (codes + meta_rate, warm_rate, 0.0)
+            self._rates = ((codes + meta_rate) * self.keep, warm_rate, 0.0)
         return self._rates[0], self._rates[1]
 
     def warm_blocks(self, seen: int, blocks: int, planned: bool = False) -> float:
-        """How many of a layer's ``blocks`` block-tier blocks may be warm at length ``seen``: the
+        """How many of a layer's ``blocks`` block-tier blocks (cold ones counted before eviction)
+        may be warm at length ``seen``: the
         most that keeps every layer's bytes (each layer holding the same counts) within the budget;
         unbounded during the warm-up. ``planned``: priced with :meth:`planned_rates` (no run)."""
         if planned:
@@ -336,7 +427,7 @@ class Budget:
 
     def report(self) -> dict:
         """The allocation and what it was chosen from: widths and distortion per layer."""
-        out = {"bits": self.adaptive.bits, "allocated": self.allocated, "layers": {}}
+        out = {"bits": self.adaptive.bits, "keep": self.keep, "allocated": self.allocated, "layers": {}}
         for idx, err in sorted(self.errors.items()):
             kb, vb = (None, None) if self.widths is None else self.widths.get(idx, (None, None))
             out["layers"][idx] = {

@@ -33,7 +33,11 @@ whole forward call and undoes every layer's changes when the call fails anywhere
 With ``policy.adaptive`` the layer shares a :class:`~kvtier.cache.adaptive.Budget` with the other
 layers of its cache: blocks entering warm are measured during the warm-up, the cold tier is created
 with the widths the budget allocates to this layer, and the warm capacity follows the budget
-(:meth:`Budget.warm_blocks`) instead of ``warm_tokens`` (which then only caps it).
+(:meth:`Budget.warm_blocks`) instead of ``warm_tokens`` (which then only caps it). With the
+eviction rung (``adaptive.keep < 1``) warm blocks step down ``g`` at a time and only ``keep`` of
+their tokens, per sequence and KV head the ones the step's queries attend to most, enter cold
+(:func:`~kvtier.cache.adaptive.select_by_attention`; the dropped ones count as ``evicted``). The
+step's query rows are held only until its ``settle`` (no tensor outlives the call).
 :meth:`demote_oldest` steps the oldest warm block down to the cold code (a byte cap's
 ``on_full="degrade"``).
 
@@ -193,6 +197,8 @@ class LayerState:
         self.keys = self.values = None
         self.is_initialized = False
         self.journal = None
+        self._obs: tuple[torch.Tensor, int] | None = None  # this call's query rows and tokens
+        self._token_valid: torch.Tensor | None = None  # this call's padding mask (during settle)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -352,12 +358,15 @@ class LayerState:
         if own:
             self.journal = Journal(self)
         try:
+            self._token_valid = token_valid
             self._move(token_valid)
             if self.owner is not None:
                 self.owner.layer_done(self)
         except BaseException as err:
             self.abort(err)
             raise
+        finally:
+            self._obs = self._token_valid = None
         if own and self.journal is not None:
             self.journal.commit(self)
 
@@ -392,19 +401,33 @@ class LayerState:
                 bvalid = valid.reshape(B, 1, incoming, T)
                 blocks = [x.reshape(B, x.shape[1], incoming, T, x.shape[3]) for x in (k, v)]
                 self.budget.errors[self._budget_idx].observe_block(*blocks, bvalid)
-            held = warm.nblocks + incoming + (0 if self.cold is None else self.cold.nblocks)
+            cold_held = 0 if self.cold is None else math.ceil(self.cold.nblocks / self.budget.keep - 1e-9)
+            held = warm.nblocks + incoming + cold_held  # cold blocks counted before eviction
             cap = min(cap, self.budget.warm_blocks(self.seen, held))
+            group = self.budget.adaptive.keep_blocks[1]
+            if group > 1:  # the eviction rung steps down whole groups: up to g - 1 wait in warm
+                cap = max(0, cap - (group - 1))
         overflow = int(max(0, warm.nblocks + incoming - cap))
+        if self.budget is not None:
+            overflow -= overflow % self.budget.adaptive.keep_blocks[1]
         from_warm = min(warm.nblocks, overflow)
         direct = overflow - from_warm  # incoming blocks that would overflow at once
+        down = []  # (k, v, valid) stepping down, oldest first: one push (whole eviction groups)
         if from_warm:
             old = warm.drop_front(from_warm)
             self.journal.undo.append(lambda: warm.put_front(old))
-            self._push_cold(*warm.decode_blocks(old, torch.float32))
+            down.append(warm.decode_blocks(old, torch.float32))
         if direct:
             d = direct * T
-            self._push_cold(k[:, :, :d], v[:, :, :d], valid[:, :d])
+            down.append((k[:, :, :d], v[:, :, :d], valid[:, :d]))
             k, v, valid = k[:, :, d:], v[:, :, d:], valid[:, d:]
+        if len(down) == 1:
+            self._push_cold(*down[0])
+        elif down:
+            (wk, wv, wvalid), (dk, dv, dvalid) = down
+            self._push_cold(
+                torch.cat([wk, dk.float()], 2), torch.cat([wv, dv.float()], 2), torch.cat([wvalid, dvalid], 1)
+            )
         if k.shape[2]:
             before = warm.nblocks
             self.journal.undo.append(lambda: warm.truncate(before))
@@ -420,11 +443,17 @@ class LayerState:
         self.cold = BlockTier(self.budget.cold_codec(self._budget_idx), self.policy.block_tokens, self.head_dim)
         self.journal.undo.append(lambda: setattr(self, "cold", None))
 
-    def observe_queries(self, rows: torch.Tensor) -> None:
-        """Scaled query rows ``[B, H, R, D]`` of this layer's attention: measured during an adaptive
-        layer's warm-up (see :mod:`kvtier.cache.adaptive`), ignored otherwise."""
-        if self.budget is not None and self.budget.measuring(self.seen):
+    def observe_queries(self, rows: torch.Tensor, tokens: int | None = None) -> None:
+        """Scaled query rows ``[B, H, R, D]`` of this layer's attention (``R`` = query heads per KV
+        head x ``tokens``, head-major): measured during an adaptive layer's warm-up (see
+        :mod:`kvtier.cache.adaptive`), and held until this call's ``settle`` by the eviction rung,
+        which scores the tokens stepping down with them; ignored otherwise."""
+        if self.budget is None:
+            return
+        if self.budget.measuring(self.seen):
             self.budget.errors[self._budget_idx].observe_queries(rows)
+        if self.budget.keep < 1:
+            self._obs = (rows, rows.shape[2] if tokens is None else tokens)
 
     def demote_oldest(self, nblocks: int = 1) -> int:
         """Step up to ``nblocks`` of the oldest warm blocks down to the cold code (a byte cap's
@@ -444,10 +473,64 @@ class LayerState:
         self._push_cold(*warm.decode_blocks(old, torch.float32))
         return take
 
+    def _evict_by_attention(
+        self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The eviction rung: of each whole group of ``g`` blocks keep ``j`` blocks' worth of tokens
+        per sequence and KV head (the ones this step's queries attend to most); a partial group at
+        the end is kept whole. Counts the dropped tokens as evicted."""
+        from .adaptive import attention_mass, select_by_attention
+
+        assert self.budget is not None
+        j, g = self.budget.adaptive.keep_blocks
+        T = self.policy.block_tokens
+        ngroups = k.shape[2] // (g * T)
+        if j == g or not ngroups:
+            return k, v, valid
+        B, H, _, D = k.shape
+        n = ngroups * g * T
+        gk = k[:, :, :n].reshape(B, H, ngroups, g * T, D).transpose(1, 2).reshape(B * ngroups, H, g * T, D)
+        gv = v[:, :, :n].reshape(B, H, ngroups, g * T, D).transpose(1, 2).reshape(B * ngroups, H, g * T, D)
+        gvalid = valid[:, :n].reshape(B * ngroups, g * T)
+        mass = None
+        if self._obs is not None:
+            rows, q = self._obs  # every token of the step (scoring with the warm tier in the
+            # softmax too measured the same: BENCHMARKS.md, v4)
+            weight = None
+            if self._token_valid is not None:  # queries at pad positions do not vote
+                tv = self._token_valid[:, self.seen - q : self.seen].to(rows.device, torch.float32)
+                weight = tv.repeat(1, rows.shape[2] // q)
+            context = []
+            if self.sinks.k is not None:
+                context.append((self.sinks.k, self.sinks.valid()))
+            hk, _ = self.hot.view()
+            if hk.shape[2]:
+                hv = torch.ones(B, hk.shape[2], dtype=torch.bool, device=hk.device)
+                if self._token_valid is not None:
+                    hv = self._token_valid[:, self.hot_start : self.hot_start + hk.shape[2]].to(hk.device, torch.bool)
+                context.append((hk, hv))
+            rep = lambda x: x.repeat_interleave(ngroups, 0)  # noqa: E731 - rows of each group's sequence
+            mass = attention_mass(
+                rep(rows),
+                gk,
+                gvalid,
+                None if weight is None else rep(weight),
+                [(rep(ck), rep(cv)) for ck, cv in context],
+            )
+        kk, kv, kvalid = select_by_attention(gk, gv, gvalid, mass, j * T)
+        kk = kk.reshape(B, ngroups, H, j * T, D).transpose(1, 2).reshape(B, H, ngroups * j * T, D)
+        kv = kv.reshape(B, ngroups, H, j * T, D).transpose(1, 2).reshape(B, H, ngroups * j * T, D)
+        kvalid = kvalid.reshape(B, ngroups * j * T)
+        self.evicted += ngroups * (g - j) * T
+        rest = (k[:, :, n:], v[:, :, n:], valid[:, n:])
+        return torch.cat([kk, rest[0]], 2), torch.cat([kv, rest[1]], 2), torch.cat([kvalid, rest[2]], 1)
+
     def _push_cold(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
         assert self.journal is not None
         if self.cold is None and self.budget is not None:
             self._make_cold()
+        if self.budget is not None and self.budget.keep < 1:
+            k, v, valid = self._evict_by_attention(k, v, valid)
         cold = self.cold
         if cold is None:
             self.evicted += k.shape[2]

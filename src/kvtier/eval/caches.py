@@ -9,7 +9,9 @@ A :class:`~kvtier.TierPolicy` object is accepted too (sweeps). A preset name wit
 the fast path, e.g. ``default:reference``, and ``:per-tier`` the fast path without the fused
 whole-layer decode kernel (one partial per tier, merged in torch); the suffix ``:dense`` runs the preset without its
 sparse attention (``default:dense``), the baseline the sparsity is measured against. ``adaptive@B``
-is the ``adaptive`` preset at a budget of ``B`` bits per element (e.g. ``adaptive@2.5``).
+is the ``adaptive`` preset at a budget of ``B`` bits per element (e.g. ``adaptive@2.5``), with
+optional fields of its :class:`~kvtier.policy.AdaptivePolicy` after a colon
+(``adaptive@2.5:keep=0.5:fit_tokens=4096``).
 """
 
 from __future__ import annotations
@@ -81,13 +83,23 @@ def cache_spec(name: str | TierPolicy) -> CacheSpec:
     if name.startswith("adaptive@"):
         import dataclasses
 
+        bits_s, _, opts = name.removeprefix("adaptive@").partition(":")
         try:
-            bits = float(name.removeprefix("adaptive@"))
+            bits = float(bits_s)
+            fields = {}
+            for item in filter(None, opts.split(":")):
+                key, _, value = item.partition("=")
+                if key not in ("keep", "fit_tokens", "warmup_tokens"):
+                    raise ValueError(key)
+                fields[key] = float(value) if key == "keep" else int(value)
         except ValueError:
-            raise ValueError(f"cache {name!r} is not allowed: expected adaptive@<bits>, e.g. adaptive@2.5") from None
+            raise ValueError(
+                f"cache {name!r} is not allowed: expected adaptive@<bits>[:keep=<f>][:fit_tokens=<n>]"
+                "[:warmup_tokens=<n>], e.g. adaptive@2.5 or adaptive@2.5:keep=0.5"
+            ) from None
         p = PRESETS["adaptive"][1]()
         assert p.adaptive is not None
-        return CacheSpec(name, p.replace(adaptive=dataclasses.replace(p.adaptive, bits=bits), name=name))
+        return CacheSpec(name, p.replace(adaptive=dataclasses.replace(p.adaptive, bits=bits, **fields), name=name))
     base, _, path = name.partition(":")
     if base in PRESETS and path in ("reference", "per-tier"):
         return CacheSpec(name, PRESETS[base][1](), attention=path)

@@ -1,0 +1,204 @@
+"""The eviction rung of the adaptive policy (``AdaptivePolicy.keep < 1``): the attention mass and
+the choice against plain loops, the budget held while streaming with tokens dropped, the fast path
+against the reference with left padding and GQA, and the accounting of dropped tokens. Tiny random
+Llama, no files."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import kvtier
+from conftest import tiny_llama
+from kvtier import AdaptivePolicy, TierPolicy, get_policy
+from kvtier.cache.adaptive import attention_mass, select_by_attention
+from kvtier.sizing import ModelShape, estimate
+
+
+# --- the scoring and the choice against plain loops ----------------------------------------------
+def test_attention_mass_matches_a_per_row_softmax():
+    g = torch.Generator().manual_seed(0)
+    B, H, R, N, M, D = 2, 3, 5, 12, 7, 8
+    rows, k = torch.randn(B, H, R, D, generator=g), torch.randn(B, H, N, D, generator=g)
+    ck = torch.randn(B, H, M, D, generator=g)
+    valid, cvalid = torch.rand(B, N, generator=g) > 0.2, torch.rand(B, M, generator=g) > 0.3
+    weight = (torch.rand(B, R, generator=g) > 0.3).float()
+    got = attention_mass(rows, k, valid, weight, [(ck, cvalid)])
+    want = torch.zeros(B, H, N)
+    for b in range(B):
+        for h in range(H):
+            keys = torch.cat([k[b, h][valid[b]], ck[b, h][cvalid[b]]])
+            n = int(valid[b].sum())
+            for r in range(R):
+                p = torch.softmax(keys @ rows[b, h, r], 0)[:n]
+                want[b, h, valid[b]] += weight[b, r] * p
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("pool", [1, 3])
+def test_select_by_attention_matches_a_loop(pool):
+    g = torch.Generator().manual_seed(1)
+    B, H, N, D, keep = 3, 2, 16, 4, 6
+    k, v = torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g)
+    valid = torch.ones(B, N, dtype=torch.bool)
+    valid[1, :12] = False  # left padding: 4 real tokens, fewer than keep
+    valid[2, 3] = False  # a captured sink
+    mass = torch.rand(B, H, N, generator=g) * valid[:, None]
+    kk, kv, kvalid = select_by_attention(k, v, valid, mass, keep, pool=pool)
+    assert kk.shape == (B, H, keep, D) and kvalid.shape == (B, keep)
+    for b in range(B):
+        real = int(valid[b].sum())
+        assert kvalid[b].tolist() == [True] * min(keep, real) + [False] * (keep - min(keep, real))
+        for h in range(H):
+            s = mass[b, h]
+            if pool > 1:  # average over the neighbours that exist
+                s = torch.stack([s[max(0, i - pool // 2) : i + pool // 2 + 1].mean() for i in range(N)])
+            s = s.masked_fill(~valid[b], float("-inf"))
+            order = sorted(range(N), key=lambda i: -float(s[i]))[: min(keep, real)]
+            want = sorted(order)
+            assert torch.equal(kk[b, h, : len(want)], k[b, h, want])
+            assert torch.equal(kv[b, h, : len(want)], v[b, h, want])
+
+
+def test_select_without_queries_keeps_the_newest():
+    k = torch.arange(8.0).reshape(1, 1, 8, 1)
+    kk, _, kvalid = select_by_attention(k, k, torch.ones(1, 8, dtype=torch.bool), None, 3, pool=1)
+    assert kk.flatten().tolist() == [5.0, 6.0, 7.0] and bool(kvalid.all())
+
+
+@pytest.mark.parametrize("keep,match", [(0.0, "keep"), (0.3, "keep"), (1.5, "keep"), (True, "keep")])
+def test_keep_validation(keep, match):
+    with pytest.raises(ValueError, match=match):
+        AdaptivePolicy(keep=keep)
+    assert AdaptivePolicy(keep=0.75).keep_blocks == (3, 4)
+    assert AdaptivePolicy().keep_blocks == (1, 1)
+
+
+# --- streaming -----------------------------------------------------------------------------------
+def _policy(bits: float, keep: float = 0.5) -> TierPolicy:
+    return get_policy("adaptive").replace(
+        hot_tokens=16,
+        sink_tokens=4,
+        block_tokens=16,
+        value_group_size=16,
+        adaptive=AdaptivePolicy(bits=bits, warmup_tokens=64, fit_tokens=256, keep=keep),
+    )
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama(seed=3)
+
+
+def _ids(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 97, (batch, n), generator=g)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.25])
+def test_budget_holds_with_eviction_and_buys_wider_codes(llama, keep):
+    bits = 5.0
+    caches = {}
+    for kp in (1.0, keep):
+        cache = kvtier.TieredCache(llama.config, _policy(bits, kp))
+        ids = _ids(640)
+        with kvtier.enable(llama), torch.no_grad():
+            for s in range(0, ids.shape[1], 16):
+                llama(ids[:, s : s + 16], cache=cache, use_cache=True)
+                rep = cache.memory_report()
+                if s + 16 >= 256:
+                    assert rep.total_bytes <= bits / 16 * rep.dense_fp16_bytes, (kp, s + 16, rep.ratio * 16)
+        caches[kp] = cache
+    rep = caches[keep].memory_report()
+    t = rep.tokens
+    assert t["evicted"] > 0 and caches[1.0].memory_report().tokens["evicted"] == 0
+    layer = caches[keep].layers[1]
+    held = layer.token_counts()
+    # every token is somewhere: sinks' slots stay in the block tiers (invalid), dropped ones are counted
+    assert held["evicted"] + held["cold"] + held["warm"] + held["hot"] == 640
+    # g blocks in, j blocks out: the dropped share of what left the warm window is 1 - keep
+    assert held["evicted"] == round((held["evicted"] + held["cold"]) * (1 - keep))
+
+    # the freed bytes buy wider cold codes
+    def width(c):
+        return sum(a["key_bits"] + a["value_bits"] for a in c.allocation()["layers"].values())
+
+    assert width(caches[keep]) > width(caches[1.0])
+
+
+def _run(llama, policy, ids, mask, attention, step=37):
+    cache = kvtier.TieredCache(llama.config, policy, attention=attention)
+    n = ids.shape[1]
+    with kvtier.enable(llama), torch.no_grad():
+        for s in range(0, n - 4, step):
+            e = min(s + step, n - 4)
+            llama(ids[:, s:e], cache=cache, use_cache=True, attention_mask=mask[:, :e])
+        out = llama(ids[:, n - 4 :], cache=cache, use_cache=True, attention_mask=mask).logits
+    return cache, out
+
+
+def test_eviction_fast_path_matches_reference_with_left_padding_and_gqa(llama):
+    assert llama.config.num_attention_heads > llama.config.num_key_value_heads  # GQA
+    ids = _ids(600, seed=5, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :23] = 0  # left padding
+    logits = {}
+    for attention in ("fast", "reference"):
+        cache, logits[attention] = _run(llama, _policy(5.0), ids, mask, attention)
+        assert cache.memory_report().tokens["evicted"] > 0
+        for layer in cache.layers:
+            # pads never enter cold ahead of real tokens; each row's real tokens come first
+            cold_valid = layer.cold.fields["valid"]  # [B, 1, n, T]
+            blocks = cold_valid[:, 0]  # keep 1/2: each cold block is one group's kept tokens
+            assert not bool((blocks[..., 1:] & ~blocks[..., :-1]).any())
+            assert bool(blocks[1].sum() < blocks[0].sum())  # row 1's pads were not kept
+    assert torch.allclose(logits["fast"], logits["reference"], atol=2e-3, rtol=1e-3)
+
+
+def test_rows_of_a_padded_batch_evict_alone(llama):
+    # a row next to a left-padded one keeps exactly the tokens it keeps alone (one candidate width,
+    # so the shared allocation cannot differ): no row's queries or pads vote for another row, and
+    # the padded row keeps no pads
+    ids = _ids(560, seed=6)
+    other = torch.cat([torch.zeros(1, 32, dtype=ids.dtype), _ids(528, seed=7)], 1)
+    batch = torch.cat([other, ids])
+    mask = torch.ones_like(batch)
+    mask[0, :32] = 0
+    policy = _policy(5.0)
+    policy = policy.replace(adaptive=dataclasses.replace(policy.adaptive, widths=(3,)))
+    alone_cache, alone = _run(llama, policy, ids, torch.ones_like(ids), "reference", step=16)
+    both_cache, both = _run(llama, policy, batch, mask, "reference", step=16)
+    assert torch.allclose(both[1], alone[0], atol=1e-4)
+    for a, b in zip(alone_cache.layers, both_cache.layers):
+        assert a.evicted == b.evicted > 0
+        for name, t in a.cold.fields.items():
+            assert torch.equal(b.cold.fields[name][1], t[0]), name
+        real = both_cache.layers[0].cold.fields["valid"][0].sum() + both_cache.layers[0].warm.fields["valid"][0].sum()
+        assert int(real) <= 528 - 4  # the padded row's block tiers hold no pad (its 4 sinks are apart)
+
+
+def test_plan_prices_the_eviction_rung():
+    model = tiny_llama(num_hidden_layers=3)
+    policy = _policy(3.5)  # binding from fit_tokens on (at 5 bits the planner's steady state has no cold)
+    cache = kvtier.TieredCache(model.config, policy)
+    ids = _ids(1500, seed=9)
+    with kvtier.enable(model), torch.no_grad():
+        for s in range(0, 1500, 100):
+            model(ids[:, s : s + 100], cache=cache)
+    report = cache.memory_report()
+    planned = estimate(ModelShape("tiny", ["full_attention"] * 3, 2, 16), 1500, policy, 1, torch.float32)
+    slack = report.tokens["cold"] // 3 * 2 * 16 // 8  # the greedy rule spends to within one width step
+    assert abs(planned.total_bytes - report.total_bytes) <= 0.02 * report.total_bytes + slack
+    assert abs(planned.tokens["evicted"] - report.tokens["evicted"]) <= 3 * 2 * 16
+
+
+def test_cache_spec_sets_adaptive_fields():
+    from kvtier.eval.caches import cache_spec
+
+    spec = cache_spec("adaptive@2.5:keep=0.25:fit_tokens=1024")
+    assert spec.policy.adaptive == AdaptivePolicy(bits=2.5, keep=0.25, fit_tokens=1024)
+    assert cache_spec("adaptive@3").policy.adaptive.keep == 0.5  # the preset's rung
+    with pytest.raises(ValueError, match="adaptive@"):
+        cache_spec("adaptive@2.5:nope=1")
