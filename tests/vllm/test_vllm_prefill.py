@@ -15,6 +15,17 @@ from kvtier.vllm.pages import PageFormat, PagePolicy  # noqa: E402
 
 H, HQ, D = 3, 9, 64
 
+
+def _avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512f" in f.read()
+    except OSError:
+        return False
+
+
+AVX512 = _avx512()
+
 pytestmark = pytest.mark.skipif(not vllm_paged_cpu.available(), reason="no C++ build")
 
 
@@ -63,8 +74,12 @@ def test_prefill_through_vllm_matches_torch_reference(policy: PagePolicy) -> Non
         for p in plans:
             pre.attend(fmt, p, pages, layer, q, k, v, D**-0.5, out)
         err = (out.float() - ref).abs()
-        # the bf16 output's rounding on top of fp32 error (chunks over packed blocks run in fp32)
+        # the bf16 output's rounding on top of fp32 error (chunks over packed blocks run in fp32);
+        # without AVX-512, vLLM's portable CPU attention (chunks with no packed block) rounds its
+        # probabilities to bf16: up to ~2^-8 of the row's largest value (measured 0.0155 at 4.56)
         tol = 2e-5 + 2**-8 * ref.abs()
+        if not AVX512:
+            tol = tol + 2**-7 * ref.abs().amax(-1, keepdim=True)
         assert (err <= tol).all(), (i, err.max().item(), ref.abs().amax().item())
         worst = max(worst, err.max().item())
         update_layer_fused(fmt, plan, pages, layer, k, v)
