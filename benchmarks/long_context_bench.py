@@ -65,19 +65,21 @@ def fill(spec: CacheSpec, model, ks: list[torch.Tensor], vs: list[torch.Tensor],
     """A cache of ``spec`` holding the first ``n`` tokens of ``ks, vs``, filled without a forward call."""
     cache = spec.build(model)
     layers = getattr(cache, "tiered_layers", None)
-    for i in range(len(ks)):
-        k, v = ks[i][:, :, :n].to(dtype), vs[i][:, :, :n].to(dtype)
-        if layers is None:
-            cache.update(k, v, i)
-            continue
-        layer = layers[i]
-        owner, layer._owner = layer._owner, None  # a layer on its own: no forward call to join
-        try:
-            for s in range(0, n, FILL_CHUNK):
-                layer.update(k[:, :, s : s + FILL_CHUNK], v[:, :, s : s + FILL_CHUNK], kwargs={})
+    if layers is None:
+        for i in range(len(ks)):
+            cache.update(ks[i][:, :, :n].to(dtype), vs[i][:, :, :n].to(dtype), i)
+        return cache
+    # chunk by chunk, every layer per chunk (as a forward call would): an adaptive budget ends its
+    # warm-up once every layer has measured a block
+    for s in range(0, n, FILL_CHUNK):
+        e = min(n, s + FILL_CHUNK)
+        for i, layer in enumerate(layers):
+            owner, layer._owner = layer._owner, None  # a layer on its own: no forward call to join
+            try:
+                layer.update(ks[i][:, :, s:e].to(dtype), vs[i][:, :, s:e].to(dtype), kwargs={})
                 layer.settle(None)
-        finally:
-            layer._owner = owner
+            finally:
+                layer._owner = owner
     return cache
 
 

@@ -246,6 +246,28 @@ def test_adaptive_fast_path_matches_reference(llama):
     assert torch.allclose(logits["fast"], logits["reference"], atol=2e-3, rtol=1e-3)
 
 
+def test_adaptive_decode_plans_the_fused_kernel_over_mixed_widths(llama):
+    # mixed key / value widths and eviction must not send decoding to a slower path
+    if not CpuBackend.layer_available():
+        pytest.skip("the fused C++ kernel did not build here")
+    from kvtier.attention.plan import plan_for
+
+    cache = kvtier.TieredCache(llama.config, _policy(4.0, keep=0.5))  # mixed widths on this model
+    ids = _ids(400, seed=8)
+    with kvtier.enable(llama), torch.no_grad():
+        for s in range(0, 400, 40):
+            llama(ids[:, s : s + 40], cache=cache, use_cache=True)
+    cfg = llama.config
+    query = torch.zeros(1, cfg.num_attention_heads, 1, cfg.hidden_size // cfg.num_attention_heads)
+    mixed = 0
+    for layer in cache.tiered_layers:
+        assert layer.cold is not None and layer.cold.nblocks and layer.evicted
+        mixed += layer.cold.codec.key_bits != layer.cold.codec.value_bits
+        plan = plan_for(layer, query)
+        assert all(c.fused for c in plan.chunks), plan
+    assert mixed  # the allocation gave some layer different key and value widths
+
+
 def test_bits_needs_an_adaptive_policy(llama):
     with pytest.raises(ValueError, match="bits"):
         kvtier.TieredCache(llama.config, "default", bits=2.5)

@@ -105,8 +105,9 @@ class MemoryReport:
 
     def allocation(self) -> str:
         """A table of the bits held per layer, keys vs values, by age (hot/sinks exact, warm, cold),
-        with each tier's token slots and bytes per element (metadata included)."""
-        lines = [f"{'layer':>5}  {'warm K/V bits':>13} {'slots':>6}  {'cold K/V bits':>13} {'slots':>6}  bits/elt"]
+        with each tier's token slots, the tokens evicted, and bytes per element (metadata included)."""
+        head = f"{'layer':>5}  {'warm K/V bits':>13} {'slots':>6}  {'cold K/V bits':>13} {'slots':>6}"
+        lines = [head + f"  {'evicted':>7}  bits/elt"]
         for d in self.per_layer:
             w = d.get("widths")
             if not w:
@@ -120,7 +121,7 @@ class MemoryReport:
             bits = 8 * sum(nb.values()) / elts if elts else float("nan")
             lines.append(
                 f"{d['layer']:>5}  {kv(w.get('warm')):>13} {tok.get('warm', 0):>6}  {kv(w.get('cold')):>13} "
-                f"{tok.get('cold', 0):>6}  {bits:8.3f}"
+                f"{tok.get('cold', 0):>6}  {tok.get('evicted', 0):>7}  {bits:8.3f}"
             )
         return "\n".join(lines)
 

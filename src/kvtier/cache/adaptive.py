@@ -368,12 +368,15 @@ class Budget:
 
     def code_budget(self) -> float:
         """Code bytes per kept cold token slot, all layers, that ``bits`` leaves at ``fit_tokens``
-        with no warm window (``keep`` of the tokens past the hot window kept)."""
+        with no warm window (``keep`` of the tokens past the hot window kept), less what the up to
+        ``g - 1`` blocks waiting in the warm tier for a whole eviction group hold there."""
         assert self.shape is not None and self.policy.hot_tokens is not None
         fit = self.adaptive.fit_tokens
-        slots = max(1.0, (fit - self.policy.hot_tokens) * self.keep)
-        meta_rate, _ = self._fixed_rates()
-        return (self.budget_bytes(fit) - self.exact_bytes()) / slots - meta_rate
+        wait = (self.adaptive.keep_blocks[1] - 1) * self.policy.block_tokens
+        meta_rate, warm_rate = self._fixed_rates()
+        room = self.budget_bytes(fit) - self.exact_bytes() - wait * warm_rate
+        slots = max(1.0, (fit - self.policy.hot_tokens - wait) * self.keep)
+        return room / slots - meta_rate
 
     def allocate(self) -> dict[int, tuple[int, int]]:
         """Choose the cold widths from what was measured (see :func:`allocate`); idempotent."""

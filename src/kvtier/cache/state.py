@@ -76,6 +76,19 @@ ATTENTION_PATHS = ("fast", "per-tier", "reference", "torch", "cpu", "fused", "tr
 #: model runs kvtier's mask (and so kvtier's attention). Bumped by kvtier.hf.mask.kvtier_mask.
 FORWARDS = [0]
 
+#: Query tokens whose rows a layer keeps past its settle for :meth:`LayerState.rebalance` (the
+#: SnapKV observation window: the last tokens of the prompt).
+REBALANCE_OBS_TOKENS = 64
+
+
+def _last_tokens(obs: tuple[torch.Tensor, int] | None, n: int) -> tuple[torch.Tensor, int] | None:
+    """The rows of the last ``n`` tokens of ``obs = (rows [B, H, G*q, D] head-major, q)``."""
+    if obs is None or obs[1] <= n:
+        return obs
+    rows, q = obs
+    B, H, R, D = rows.shape
+    return rows.reshape(B, H, R // q, q, D)[:, :, :, -n:].reshape(B, H, R // q * n, D).clone(), n
+
 
 def forward_epoch() -> int:
     """The number of kvtier masks built so far (see ``FORWARDS``)."""
@@ -198,6 +211,9 @@ class LayerState:
         self.is_initialized = False
         self.journal = None
         self._obs: tuple[torch.Tensor, int] | None = None  # this call's query rows and tokens
+        # settled during its budget's warm-up in a call whose later layer ended it: what
+        # ``rebalance`` needs (the call's last query rows and tokens, and its token mask)
+        self._pending: tuple[tuple[torch.Tensor, int] | None, torch.Tensor | None] | None = None
         self._token_valid: torch.Tensor | None = None  # this call's padding mask (during settle)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -359,10 +375,14 @@ class LayerState:
             self.journal = Journal(self)
         try:
             self._token_valid = token_valid
+            self._pending = None
             self._move(token_valid)
+            if self.budget is not None and self.budget.measuring(self.seen):
+                self._pending = (_last_tokens(self._obs, REBALANCE_OBS_TOKENS), token_valid)
             if self.owner is not None:
                 self.owner.layer_done(self)
         except BaseException as err:
+            self._pending = None
             self.abort(err)
             raise
         finally:
@@ -388,6 +408,21 @@ class LayerState:
             valid = token_valid[:, start : start + n].to(self.device, torch.bool)
         valid = self.sinks.capture(k, v, valid)
         self._push_warm(k, v, valid)
+
+    def rebalance(self) -> None:
+        """An adaptive layer that settled while its budget was still measuring, in a call that a
+        later layer's settle ended the warm-up of (a one-call prefill): apply the budget now, as
+        that settle would have - step the warm overflow down, evicting by the call's last query
+        rows - so the call ends within ``bits``. Part of the current journal; a no-op otherwise."""
+        pending, self._pending = self._pending, None
+        if pending is None or self.budget is None or self.budget.measuring(self.seen) or self.warm is None:
+            return
+        self._obs, self._token_valid = pending
+        try:
+            empty = torch.empty(self.batch, self.kv_heads, 0, self.head_dim, device=self.device)
+            self._push_warm(empty, empty, torch.ones(self.batch, 0, dtype=torch.bool, device=self.device))
+        finally:
+            self._obs = self._token_valid = None
 
     def _push_warm(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
         assert self.warm is not None and self.journal is not None
