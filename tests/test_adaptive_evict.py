@@ -97,20 +97,23 @@ def _ids(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
     return torch.randint(3, 97, (batch, n), generator=g)
 
 
+def _stream_within_budget(llama, bits: float, keep: float) -> kvtier.TieredCache:
+    """640 tokens in calls of 16; the bytes held after every call from ``fit_tokens`` (256) on are
+    at most ``bits`` per element."""
+    cache = kvtier.TieredCache(llama.config, _policy(bits, keep))
+    ids = _ids(640)
+    with kvtier.enable(llama), torch.no_grad():
+        for s in range(0, ids.shape[1], 16):
+            llama(ids[:, s : s + 16], cache=cache, use_cache=True)
+            rep = cache.memory_report()
+            if s + 16 >= 256:
+                assert rep.total_bytes <= bits / 16 * rep.dense_fp16_bytes, (keep, s + 16, rep.ratio * 16)
+    return cache
+
+
 @pytest.mark.parametrize("keep", [0.5, 0.25])
 def test_budget_holds_with_eviction_and_buys_wider_codes(llama, keep):
-    bits = 5.0
-    caches = {}
-    for kp in (1.0, keep):
-        cache = kvtier.TieredCache(llama.config, _policy(bits, kp))
-        ids = _ids(640)
-        with kvtier.enable(llama), torch.no_grad():
-            for s in range(0, ids.shape[1], 16):
-                llama(ids[:, s : s + 16], cache=cache, use_cache=True)
-                rep = cache.memory_report()
-                if s + 16 >= 256:
-                    assert rep.total_bytes <= bits / 16 * rep.dense_fp16_bytes, (kp, s + 16, rep.ratio * 16)
-        caches[kp] = cache
+    caches = {kp: _stream_within_budget(llama, 5.0, kp) for kp in (1.0, keep)}
     rep = caches[keep].memory_report()
     t = rep.tokens
     assert t["evicted"] > 0 and caches[1.0].memory_report().tokens["evicted"] == 0
@@ -253,11 +256,4 @@ def test_a_failed_rebalance_leaves_the_cache_unchanged(llama, monkeypatch):
 def test_budget_holds_from_fit_tokens_with_blocks_waiting_for_a_group(llama, keep, bits):
     # up to g - 1 blocks wait in the warm tier for a whole eviction group: the cold widths are
     # chosen with their warm bytes reserved (these budgets ran over at fit_tokens without that)
-    cache = kvtier.TieredCache(llama.config, _policy(bits, keep))
-    ids = _ids(640)
-    with kvtier.enable(llama), torch.no_grad():
-        for s in range(0, ids.shape[1], 16):
-            llama(ids[:, s : s + 16], cache=cache, use_cache=True)
-            rep = cache.memory_report()
-            if s + 16 >= 256:  # fit_tokens
-                assert rep.total_bytes <= bits / 16 * rep.dense_fp16_bytes, (s + 16, rep.ratio * 16)
+    _stream_within_budget(llama, bits, keep)

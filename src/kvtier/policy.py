@@ -648,7 +648,9 @@ def _adaptive() -> TierPolicy:
     # The eviction rung (keep=0.5: half of the tokens leaving the warm window dropped by attention,
     # wider codes for the rest), 4k dracula: bits=2.5 +2.18 % (keep 1: +5.93 %, 0.75: +6.81 %,
     # 0.25: +3.27 %), bits=3.0 +1.98 % (keep 1: +3.37 %, 0.75: +2.30 %), bits=2.0 +6.49 % (keep 1:
-    # +19.33 %, 0.25: +5.56 %). Two books: bits=2.5 +2.48 % at 4k, +1.57 % at 8k.
+    # +19.33 %, 0.25: +5.56 %). Two books: bits=2.5 +2.48 % at 4k, +1.57 % at 8k. With the waiting
+    # blocks of an eviction group reserved (the budget then holds at fit_tokens): bits=2.5 +2.37 %,
+    # bits=3.0 +1.77 % at 4k (two books); a keep share per layer did not beat 0.5 everywhere.
     return _default().replace(
         warm_tokens=None,
         warm_bits=3,
