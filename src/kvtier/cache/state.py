@@ -409,20 +409,22 @@ class LayerState:
         valid = self.sinks.capture(k, v, valid)
         self._push_warm(k, v, valid)
 
-    def rebalance(self) -> None:
+    def rebalance(self) -> bool:
         """An adaptive layer that settled while its budget was still measuring, in a call that a
         later layer's settle ended the warm-up of (a one-call prefill): apply the budget now, as
         that settle would have - step the warm overflow down, evicting by the call's last query
-        rows - so the call ends within ``bits``. Part of the current journal; a no-op otherwise."""
+        rows - so the call ends within ``bits``. Part of the current journal; True when it ran
+        (a no-op otherwise)."""
         pending, self._pending = self._pending, None
         if pending is None or self.budget is None or self.budget.measuring(self.seen) or self.warm is None:
-            return
+            return False
         self._obs, self._token_valid = pending
         try:
             empty = torch.empty(self.batch, self.kv_heads, 0, self.head_dim, device=self.device)
             self._push_warm(empty, empty, torch.ones(self.batch, 0, dtype=torch.bool, device=self.device))
         finally:
             self._obs = self._token_valid = None
+        return True
 
     def _push_warm(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
         assert self.warm is not None and self.journal is not None

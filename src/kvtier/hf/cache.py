@@ -216,8 +216,8 @@ class TieredCache(Cache):
         call.done += 1
         if call.done == len(call.journals) == self.num_tiered:
             for lay, _ in call.journals.values():  # layers that settled before the call ended a
-                lay.rebalance()  # budget's warm-up apply it now (kvtier.cache.state), in the call
-                if self.max_bytes is not None:
+                # budget's warm-up apply it now (kvtier.cache.state), in the call
+                if lay.rebalance() and self.max_bytes is not None:
                     self._bytes[lay.layer_idx] = lay.nbytes()
             for lay, journal in call.journals.values():
                 journal.commit(lay)
