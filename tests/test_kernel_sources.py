@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.kernels.build import cpu_has_avx512
+
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "src" / "kvtier"
 CSRC = PKG / "kernels" / "csrc"
@@ -137,13 +139,6 @@ def test_cpp_sources_are_package_data():
     assert not missing, f"not shipped in a wheel: {missing}"
 
 
-def _has_avx512() -> bool:
-    try:
-        return " avx512f" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("filename", sorted(p.name for p in CSRC.glob("*.cpp") if "__AVX512F__" in p.read_text()))
 def test_sources_with_avx512_paths_also_compile_for_the_other_isa(filename, tmp_path):
     """A kernel with AVX-512 block routines must compile both with and without them: the build here
@@ -157,7 +152,7 @@ def test_sources_with_avx512_paths_also_compile_for_the_other_isa(filename, tmp_
 
     from kvtier.kernels import build
 
-    flip = ["-mno-avx512f"] if _has_avx512() else ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+    flip = ["-mno-avx512f"] if cpu_has_avx512() else ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
     src = tmp_path / filename
     src.write_text("#include <torch/extension.h>\n" + build.source(filename))
     cmd = [os.environ.get("CXX", "c++"), "-std=c++20", "-fsyntax-only", *build.BASE_CFLAGS, *flip, str(src)]

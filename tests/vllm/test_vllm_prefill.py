@@ -10,21 +10,13 @@ pytest.importorskip("vllm.v1")
 import torch  # noqa: E402
 
 from kvtier.kernels import vllm_paged_cpu  # noqa: E402
+from kvtier.kernels.build import cpu_has_avx512  # noqa: E402
 from kvtier.vllm.paged import SideBuffer, attend_layer, attend_layer_fused, plan_step, update_layer_fused  # noqa: E402
 from kvtier.vllm.pages import PageFormat, PagePolicy  # noqa: E402
 
 H, HQ, D = 3, 9, 64
 
-
-def _avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return " avx512f" in f.read()
-    except OSError:
-        return False
-
-
-AVX512 = _avx512()
+AVX512 = cpu_has_avx512()
 
 pytestmark = pytest.mark.skipif(not vllm_paged_cpu.available(), reason="no C++ build")
 

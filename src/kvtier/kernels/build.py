@@ -25,6 +25,16 @@ BASE_CFLAGS = ("-O3", "-march=native", "-fopenmp-simd")
 _LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.MULTILINE)
 
 
+def cpu_has_avx512() -> bool:
+    """True when this CPU reports AVX-512F (``/proc/cpuinfo``): ``-march=native`` then builds the
+    kernels' AVX-512 paths. False where the file is unreadable (not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512f" in f.read()
+    except OSError:
+        return False
+
+
 def source(filename: str) -> str:
     """The C++ text of ``csrc/<filename>`` as compiled, its ``#include "..."`` lines replaced by those files."""
     text = (resources.files(__package__) / "csrc" / filename).read_text(encoding="utf-8")
