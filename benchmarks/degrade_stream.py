@@ -19,18 +19,28 @@ Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import math
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import kvtier
-from kvtier.eval.caches import cache_spec
-from kvtier.eval.perplexity import book_windows
+from kvtier.eval.caches import CacheSpec, cache_spec
+from kvtier.eval.perplexity import book_windows, stream_compare
 from kvtier.models import load_model
+
+
+@dataclasses.dataclass
+class CappedSpec(CacheSpec):
+    """A kvtier cache spec built with ``max_bytes`` and ``on_full``."""
+
+    max_bytes: int = 0
+    on_full: str = "error"
+
+    def build(self, model):
+        return kvtier.TieredCache(model.config, self.policy, max_bytes=self.max_bytes, on_full=self.on_full)
 
 
 @torch.no_grad()
@@ -49,60 +59,37 @@ def main() -> None:
     model, tok = load_model()
     ids = book_windows(tok, Path(args.data, f"{args.book}.txt").read_text(), args.length)[0]
     cap = int(args.cap_mb * 1e6)
-    names = ["dynamic", *args.caches]
-    caches: dict = {"dynamic": cache_spec("dynamic").build(model)}
+    specs = []
     for name in args.caches:
         base, _, on_full = name.rpartition(":")
-        caches[name] = kvtier.TieredCache(model.config, cache_spec(base).policy, max_bytes=cap, on_full=on_full)
+        specs.append(CappedSpec(name, cache_spec(base).policy, max_bytes=cap, on_full=on_full))
     peak = {n: 0 for n in args.caches}
-    nll = {n: 0.0 for n in names}
-    kl = {n: 0.0 for n in names}
-    top1 = {n: 0 for n in names}
-    scored = 0
-    W, half = ids.shape[1], ids.shape[1] // 2
+    calls = [0]
     t0 = time.time()
-    bounds = [*range(0, W - 1, args.chunk), W - 1]
-    for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
-        need = max(0, e - max(s, half))
-        target = ids[0, e - need + 1 : e + 1]
-        ref = None
-        for name in names:
-            cache = caches[name]
-            if name == "dynamic":
-                out = model(ids[:, s:e], cache=cache, use_cache=True, logits_to_keep=max(need, 1))
-            else:
-                with kvtier.enable(model):
-                    out = model(ids[:, s:e], cache=cache, use_cache=True, logits_to_keep=max(need, 1))
-                peak[name] = max(peak[name], cache.memory_report().total_bytes)
-            if not need:
-                continue
-            logp = F.log_softmax(out.logits[0, -need:].float(), -1)
-            nll[name] += -float(logp.gather(1, target[:, None]).sum())
-            if ref is None:
-                ref = logp
-            else:
-                kl[name] += float(F.kl_div(logp, ref, log_target=True, reduction="sum"))
-                top1[name] += int((logp.argmax(-1) == ref.argmax(-1)).sum())
-        scored += need
-        if i % 32 == 0:
-            print(f"{e} tokens, {time.time() - t0:.0f} s", flush=True)
-    full = math.exp(nll["dynamic"] / scored)
+
+    def after_call(name: str, cache) -> None:
+        if name in peak:  # the cap must hold after every call
+            peak[name] = max(peak[name], cache.memory_report().total_bytes)
+        elif name == "dynamic":
+            calls[0] += 1
+            if calls[0] % 32 == 1:
+                print(f"{calls[0] * args.chunk} tokens, {time.time() - t0:.0f} s", flush=True)
+
+    caches: dict = {}
+    scores = stream_compare(model, ids, specs, chunk=args.chunk, caches_out=caches, after_call=after_call)
+    W, full = ids.shape[1], scores["dynamic"].ppl
     rows = []
-    print(f"\n{args.book}, {W} tokens streamed, max_bytes={cap:,} (scored tokens {half + 1}..{W - 1})")
+    print(f"\n{args.book}, {W} tokens streamed, max_bytes={cap:,} (scored: the second half)")
     print(f"{'cache':<24}{'ppl':>9}{'dppl':>9}{'KL':>8}{'top-1':>7}{'peak / cap':>11}  tokens held (end)")
-    for name in names:
-        ppl = math.exp(nll[name] / scored)
-        row = {"cache": name, "ppl": ppl, "dppl": ppl / full - 1, "kl": kl[name] / scored, "top1": top1[name] / scored}
-        if name != "dynamic":
-            rep = caches[name].memory_report()
-            row.update(peak_bytes=peak[name], cap=cap, under_cap=peak[name] <= cap, tokens=rep.tokens)
-            row["top1"] = top1[name] / scored
-        else:
-            row["top1"] = 1.0
+    for name, sc in scores.items():
+        row = {"cache": name, "ppl": sc.ppl, "dppl": sc.ppl / full - 1, "kl": sc.mean_kl, "top1": sc.top1}
+        if name in peak:
+            tokens = caches[name].memory_report().tokens
+            row.update(peak_bytes=peak[name], cap=cap, under_cap=peak[name] <= cap, tokens=tokens)
         rows.append(row)
         print(
-            f"{name:<24}{ppl:>9.3f}{100 * row['dppl']:>+8.2f}%{row['kl']:>8.4f}{row['top1']:>7.3f}"
-            + (f"{peak[name] / cap:>11.4f}  {row['tokens']}" if name != "dynamic" else ""),
+            f"{name:<24}{sc.ppl:>9.3f}{100 * row['dppl']:>+8.2f}%{row['kl']:>8.4f}{row['top1']:>7.3f}"
+            + (f"{peak[name] / cap:>11.4f}  {row['tokens']}" if name in peak else ""),
             flush=True,
         )
     result = {"book": args.book, "length": W, "cap": cap, "chunk": args.chunk, "rows": rows}

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +68,7 @@ def stream_compare(
     reference: CacheSpec | None = None,
     caches_out: dict | None = None,
     score_chunk: int | None = None,
+    after_call: Callable[[str, Any], None] | None = None,
 ) -> dict[str, StreamScore]:
     """Feed ``ids: [1, W]`` in chunks through a fresh cache per spec, in lockstep.
 
@@ -74,7 +77,9 @@ def stream_compare(
     ``chunk``. The ``reference`` (default: the full ``dynamic`` cache) provides the distribution
     for KL and top-1 agreement and is scored too.
 
-    ``caches_out``, if given, receives the caches by name (to read their counters afterwards).
+    ``caches_out``, if given, receives the caches by name (to read their counters afterwards);
+    ``after_call(name, cache)``, if given, runs after every call of every cache (e.g. to read its
+    bytes at each step).
 
     Returns
     -------
@@ -101,6 +106,8 @@ def stream_compare(
             ctx = spec.context(model) if spec.is_tiered else contextlib.nullcontext()
             with ctx:
                 out = model(ids[:, s:e], cache=cache, use_cache=True, logits_to_keep=max(need, 1))
+            if after_call is not None:
+                after_call(spec.name, cache)
             if not need:
                 continue
             logp = F.log_softmax(out.logits[0, -need:].float(), dim=-1)
