@@ -6,6 +6,7 @@ Llama, no files."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -102,13 +103,33 @@ def _stream_within_budget(llama, bits: float, keep: float) -> kvtier.TieredCache
     at most ``bits`` per element."""
     cache = kvtier.TieredCache(llama.config, _policy(bits, keep))
     ids = _ids(640)
-    with kvtier.enable(llama), torch.no_grad():
+    with kvtier.enable(llama), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", kvtier.BudgetWarning)  # a budget that holds does not warn
         for s in range(0, ids.shape[1], 16):
             llama(ids[:, s : s + 16], cache=cache, use_cache=True)
             rep = cache.memory_report()
             if s + 16 >= 256:
                 assert rep.total_bytes <= bits / 16 * rep.dense_fp16_bytes, (keep, s + 16, rep.ratio * 16)
     return cache
+
+
+@pytest.mark.parametrize("bits,keep,floor", [(2.5, 0.5, 3.44), (3.0, 1.0, 4.25)])
+def test_a_budget_out_of_reach_warns_once_with_what_it_holds(llama, bits, keep, floor):
+    # tiny model: sinks + hot ring + the filling block are 36 of fit_tokens=256 tokens, exact
+    cache = kvtier.TieredCache(llama.config, _policy(bits, keep))
+    ids = _ids(640)
+    held = {}
+    with kvtier.enable(llama), torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(0, ids.shape[1], 16):
+            llama(ids[:, s : s + 16], cache=cache, use_cache=True)
+            held[s + 16] = cache.memory_report().ratio * 16
+    budget = [w for w in caught if issubclass(w.category, kvtier.BudgetWarning)]
+    assert len(budget) == 1
+    assert f"bits={bits:g} cannot be held at fit_tokens=256" in str(budget[0].message)
+    assert f"{floor:.2f} bits per element" in str(budget[0].message)
+    assert held[256] == pytest.approx(floor, abs=0.005)  # the floor is what the cache holds there
+    assert held[640] <= bits  # and longer contexts come within the budget
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.25])
@@ -208,11 +229,10 @@ def test_cache_spec_sets_adaptive_fields():
 
 
 # --- a one-call prefill ends the warm-up inside the call -----------------------------------------
-@pytest.mark.parametrize("keep", [0.5, 1.0])
-def test_one_call_prefill_ends_within_the_budget(llama, keep):
+@pytest.mark.parametrize("keep,bits", [(0.5, 4.0), (1.0, 4.5)])  # budgets the tiny model can hold
+def test_one_call_prefill_ends_within_the_budget(llama, keep, bits):
     # every layer but the last settles while the budget still measures (the last one's block ends
     # the warm-up): the call must still end within ``bits``, as a streamed prompt does
-    bits = 4.0
     cache = kvtier.TieredCache(llama.config, _policy(bits, keep))
     ids = _ids(640, seed=11)
     with kvtier.enable(llama), torch.no_grad():

@@ -5,7 +5,7 @@ Owns :class:`LayerErrors` (what one layer measured during the warm-up), :func:`a
 rule) and :class:`Budget` (one per cache, shared by its layers: the statistics, the allocation once
 made, and how many warm blocks the budget allows at a length). The layer state machine
 (:mod:`kvtier.cache.state`) asks the budget for its cold codec and its warm capacity; nothing here
-moves blocks. May import torch, :mod:`kvtier.policy`, :mod:`kvtier.quant`, :mod:`.codecs`; never
+moves blocks. May import torch, :mod:`kvtier.errors`, :mod:`kvtier.policy`, :mod:`kvtier.quant`, :mod:`.codecs`; never
 transformers or attention.
 
 How the allocation works (calibration-free: it measures the text being cached):
@@ -37,10 +37,12 @@ How the allocation works (calibration-free: it measures the text being cached):
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 
+from ..errors import BudgetWarning
 from ..policy import TierPolicy
 from ..quant import packed_size, quantize_ab, rotation
 from .codecs import META_DTYPES, MixedCodec, make_codecs, storage_dtype, value_group
@@ -379,11 +381,36 @@ class Budget:
         return room / slots - meta_rate
 
     def allocate(self) -> dict[int, tuple[int, int]]:
-        """Choose the cold widths from what was measured (see :func:`allocate`); idempotent."""
+        """Choose the cold widths from what was measured (see :func:`allocate`); idempotent. Warns
+        (:class:`~kvtier.errors.BudgetWarning`) when even the narrowest widths cannot hold ``bits``
+        at ``fit_tokens``: the cache then holds more than asked, and says so once."""
         if self.widths is not None:
             return self.widths
-        self.widths = allocate(self.errors, self.adaptive.widths, self.code_bytes(), self.code_budget())
+        budget = self.code_budget()
+        self.widths = allocate(self.errors, self.adaptive.widths, self.code_bytes(), budget)
+        floor = self.floor_bits()
+        if floor > self.adaptive.bits + 1e-9:
+            warnings.warn(
+                f"bits={self.adaptive.bits:g} cannot be held at fit_tokens={self.adaptive.fit_tokens}: the exact "
+                f"sinks and hot ring with the narrowest cold codes take {floor:.2f} bits per element there "
+                "(longer contexts come closer); raise bits or fit_tokens, or lower keep",
+                BudgetWarning,
+                stacklevel=2,
+            )
         return self.widths
+
+    def floor_bits(self) -> float:
+        """The fewest bits per element the cache can hold at ``fit_tokens`` (no warm window past the
+        blocks waiting for an eviction group, every layer at the narrowest widths)."""
+        s = self.shape
+        assert s is not None and self.policy.hot_tokens is not None
+        fit = self.adaptive.fit_tokens
+        wait = (self.adaptive.keep_blocks[1] - 1) * self.policy.block_tokens
+        meta_rate, warm_rate = self._fixed_rates()
+        narrow = 2 * self.code_bytes()[self.adaptive.widths[0]] * self.layers
+        slots = max(0.0, (fit - self.policy.hot_tokens - wait) * self.keep)
+        held = self.exact_bytes() + wait * warm_rate + slots * (narrow + meta_rate)
+        return held / (2 * s.batch * s.heads * s.dim * fit * s.layers) * 8
 
     def planned_rates(self) -> tuple[float, float]:
         """``(cold, warm)`` bytes per token slot stepping down from / held in the warm tier, all
