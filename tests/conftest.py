@@ -69,3 +69,21 @@ def pytest_report_header(config) -> list[str]:  # noqa: ANN001
 @pytest.fixture(scope="session")
 def model() -> LlamaForCausalLM:
     return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def demo_output() -> str:
+    """What ``kvtier demo`` prints on the offline model, on the shipped book (no ``../shared/data/pg``):
+    one run shared by the demo tests of test_eval.py and test_cli.py (each run takes a minute)."""
+    import contextlib
+    import io
+
+    from kvtier.cli import main
+    from kvtier.eval import texts
+
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        mp.setattr(texts, "default_book_dir", lambda: None)
+        argv = ["demo", "--tokens", "400", "--ppl-tokens", "200", "--new-tokens", "4", "--threads", "2"]
+        assert main(argv) == 0
+    return out.getvalue()

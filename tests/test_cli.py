@@ -213,10 +213,8 @@ def test_shipped_book_is_package_data():
 
 @pytest.mark.model
 @needs_model
-def test_demo_runs_on_the_shipped_book(capsys, monkeypatch):
-    monkeypatch.setattr(texts, "default_book_dir", lambda: None)
-    argv = ["demo", "--tokens", "300", "--ppl-tokens", "128", "--new-tokens", "2", "--threads", "2"]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
+def test_demo_runs_on_the_shipped_book(demo_output):
+    """``demo_output`` (conftest.py) runs the demo with ``texts.default_book_dir`` patched away."""
+    out = demo_output
     assert "from 'dracula'" in out
     assert [r["cache"] for r in json.loads(out.strip().splitlines()[-1])["rows"]] == ["dynamic", "default"]

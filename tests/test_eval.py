@@ -150,9 +150,8 @@ def test_report_rejects_bad_file(tmp_path, capsys):
 
 @pytest.mark.model
 @needs_model
-def test_demo_smoke(capsys):
-    assert main(["demo", "--tokens", "400", "--ppl-tokens", "200", "--new-tokens", "4", "--threads", "2"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
+def test_demo_smoke(demo_output):
+    out = demo_output.strip().splitlines()
     data = json.loads(out[-1])
     assert [r["cache"] for r in data["rows"]] == ["dynamic", "default"]
     full, tiered = data["rows"]
