@@ -224,6 +224,8 @@ def test_cache_spec_sets_adaptive_fields():
     spec = cache_spec("adaptive@2.5:keep=0.25:fit_tokens=1024")
     assert spec.policy.adaptive == AdaptivePolicy(bits=2.5, keep=0.25, fit_tokens=1024)
     assert cache_spec("adaptive@3").policy.adaptive.keep == 0.5  # the preset's rung
+    assert cache_spec("adaptive@2.5:sinks=8").policy.sink_tokens == 8
+    assert cache_spec("adaptive@2.5").policy.sink_tokens == 32
     with pytest.raises(ValueError, match="adaptive@"):
         cache_spec("adaptive@2.5:nope=1")
 

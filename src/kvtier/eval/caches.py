@@ -86,20 +86,24 @@ def cache_spec(name: str | TierPolicy) -> CacheSpec:
         bits_s, _, opts = name.removeprefix("adaptive@").partition(":")
         try:
             bits = float(bits_s)
-            fields = {}
+            fields, policy_fields = {}, {}
             for item in filter(None, opts.split(":")):
                 key, _, value = item.partition("=")
-                if key not in ("keep", "fit_tokens", "warmup_tokens"):
+                if key == "sinks":  # the policy's exact sink tokens (the rest are AdaptivePolicy fields)
+                    policy_fields["sink_tokens"] = int(value)
+                elif key in ("keep", "fit_tokens", "warmup_tokens"):
+                    fields[key] = float(value) if key == "keep" else int(value)
+                else:
                     raise ValueError(key)
-                fields[key] = float(value) if key == "keep" else int(value)
         except ValueError:
             raise ValueError(
                 f"cache {name!r} is not allowed: expected adaptive@<bits>[:keep=<f>][:fit_tokens=<n>]"
-                "[:warmup_tokens=<n>], e.g. adaptive@2.5 or adaptive@2.5:keep=0.5"
+                "[:warmup_tokens=<n>][:sinks=<n>], e.g. adaptive@2.5 or adaptive@2.5:keep=0.5"
             ) from None
         p = PRESETS["adaptive"][1]()
         assert p.adaptive is not None
-        return CacheSpec(name, p.replace(adaptive=dataclasses.replace(p.adaptive, bits=bits, **fields), name=name))
+        adaptive = dataclasses.replace(p.adaptive, bits=bits, **fields)
+        return CacheSpec(name, p.replace(adaptive=adaptive, name=name, **policy_fields))
     base, _, path = name.partition(":")
     if base in PRESETS and path in ("reference", "per-tier"):
         return CacheSpec(name, PRESETS[base][1](), attention=path)
