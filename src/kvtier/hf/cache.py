@@ -23,8 +23,11 @@ Byte caps: ``max_bytes=N`` bounds the bytes the cache holds after every call (wh
 ``on_full="error"`` a call that would end above ``N`` raises :class:`~kvtier.CacheFullError` and
 leaves the cache as it was; with ``"evict"`` each tiered layer drops its oldest non-sink blocks
 (StreamingLLM-style) to stay within an equal share of ``N``, and ``memory_report()`` counts the
-evicted tokens. The exact hot tokens of the call being processed are held transiently before
-they settle (a long prompt chunk briefly holds its exact K/V).
+evicted tokens; with ``"degrade"`` the oldest tokens go down the ladder first (the oldest cold
+blocks are evicted while the cold tier holds more token slots than the warm one, else the oldest
+warm block steps down to the cold code), so a recent warm window stays. The exact hot tokens of
+the call being processed are held transiently before they settle (a long prompt chunk briefly
+holds its exact K/V).
 """
 
 from __future__ import annotations
