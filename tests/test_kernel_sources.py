@@ -31,6 +31,7 @@ KERNELS = {
     "sketch_cpu": "sketch_block_lse",
     "vllm_paged_cpu": "vllm_paged_attend",
     "offload_cpu": "offload_attend",
+    "parallel": "parallel_threads",
 }
 
 #: Text that only a C++ kernel body (or its bindings) would put in a Python file.
@@ -123,6 +124,44 @@ def test_a_missing_source_warns_and_falls_back():
     load = lambda: build.load("kvtier_missing_v1", "missing.cpp", ["missing"])
     with pytest.warns(UserWarning, match="demo kernel unavailable, using the torch path: .*missing.cpp"):
         assert build.check(load, "demo kernel", "the torch path") is False
+
+
+def test_kernels_run_on_torchs_threads():
+    """at::parallel_for runs serially in a kernel built without OpenMP (it did until this test):
+    the probe, built with every kernel's flags, must use the threads torch is given."""
+    if not _can_build():
+        pytest.skip("no C++ compiler or ninja")
+    import torch
+
+    from kvtier.kernels import parallel
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert parallel.threads() == 1
+        if (os.cpu_count() or 1) >= 2:
+            torch.set_num_threads(2)
+            assert parallel.threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_compiler_without_openmp_gets_a_serial_build_with_a_warning(monkeypatch):
+    if not _can_build():
+        pytest.skip("no C++ compiler or ninja")
+    import torch
+
+    from kvtier.kernels import build
+
+    monkeypatch.setattr(build, "OPENMP_FLAGS", ("-fno-such-openmp-flag",))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with pytest.warns(UserWarning, match="kvtier_probe_v1 built without OpenMP .* one thread"):
+            module = build.load("kvtier_probe_v1", "parallel_probe.cpp", ["parallel_threads"])
+        assert module.parallel_threads(64) == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_cpp_sources_are_package_data():

@@ -41,6 +41,13 @@ KINDS = {
 }
 
 
+def _kernel_threads() -> int:
+    """Threads the C++ kernels run on (:func:`kvtier.kernels.parallel.threads`; 0: no kernels)."""
+    from ..kernels import parallel
+
+    return parallel.threads()
+
+
 def environment() -> dict[str, Any]:
     """Versions, threads and device of this process."""
     import transformers
@@ -56,6 +63,7 @@ def environment() -> dict[str, Any]:
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
+        "kernel_threads": _kernel_threads(),
         "device": "cuda:" + torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
     }
     from importlib.metadata import PackageNotFoundError, version
