@@ -61,6 +61,23 @@ inline void unpack32(const uint8_t* c, __m512& a, __m512& b) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// s[i] = sum of the 16 lanes of v[i], i < 16: a transpose-and-add tree (pairs within 128-bit lanes,
+// then quads, then across the four 128-bit lanes), ~3 instructions per vector instead of a
+// horizontal reduction of each.
+inline __m512 reduce16(const __m512* v) {
+  __m512 u[8], w[4];
+  for (int k = 0; k < 8; ++k)
+    u[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int m = 0; m < 4; ++m)
+    w[m] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * m], u[2 * m + 1], 0x44), _mm512_shuffle_ps(u[2 * m], u[2 * m + 1], 0xEE));
+  // w[m]'s 128-bit lane L holds, for vectors 4m..4m+3, the sum of their lane L
+  const __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+  const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
+}
+#endif
+
 inline float half_to_float(uint16_t h) {
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
@@ -141,6 +158,10 @@ struct Rows {
   // acc[row] += sum_t p[row * n + t] * v[t * D:] for every row (v: n rows of D floats); the
   // accumulator of 16 channels stays in a register over the tokens
   void add_values(int64_t n, const float* v) {
+#if defined(__AVX512F__)
+    if (D == 64) return add_values_blocked<4>(n, v);
+    if (D == 128) return add_values_blocked<8>(n, v);
+#endif
     for (int64_t row = 0; row < R; ++row) {
       const float* pr = p.data() + row * n;
       float* a = acc.data() + row * D;
@@ -156,6 +177,42 @@ struct Rows {
         for (int64_t d = d0; d < D; ++d) a[d] += pr[t] * v[t * D + d];
     }
   }
+#if defined(__AVX512F__)
+  // add_values for D = 16 C: RB rows x C vectors of accumulators stay in registers over the tokens
+  // (each value row loaded once per RB rows; RB x C independent FMA chains instead of one at a
+  // time). Every (row, channel) still sums its tokens in order from acc: the same fp32 result.
+  template <int C>
+  void add_values_blocked(int64_t n, const float* v) {
+    constexpr int RB = C <= 4 ? 4 : 2;  // RB * C <= 16 accumulators
+    for (int64_t r0 = 0; r0 < R; r0 += RB) {
+      const int rb = static_cast<int>(std::min<int64_t>(RB, R - r0));
+      __m512 x[RB][C];
+#pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c)
+          x[r][c] = r < rb ? _mm512_loadu_ps(acc.data() + (r0 + r) * D + 16 * c) : _mm512_setzero_ps();
+      const float* pr = p.data() + r0 * n;
+      for (int64_t t = 0; t < n; ++t) {
+        __m512 vv[C];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v + t * D + 16 * c);
+#pragma GCC unroll 4
+        for (int r = 0; r < RB; ++r) {
+          if (r >= rb) break;
+          const __m512 b = _mm512_set1_ps(pr[r * n + t]);
+#pragma GCC unroll 8
+          for (int c = 0; c < C; ++c) x[r][c] = _mm512_fmadd_ps(b, vv[c], x[r][c]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r)
+        if (r < rb)
+#pragma GCC unroll 8
+          for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc.data() + (r0 + r) * D + 16 * c, x[r][c]);
+    }
+  }
+#endif
 };
 
 // One packed block of head h read by R pre-scaled query rows qf [R, D]: its first n tokens
@@ -188,7 +245,39 @@ void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, con
       }
       qz[row] = z;
     }
-    for (int64_t t = t0; t < t1; ++t) {
+    int64_t t = t0;
+#if defined(__AVX512F__)
+    if (D == 64) {  // 16 tokens at a time: unpacked once into kb, each row's 16 dot products reduced together
+      alignas(64) float kb[16 * 64];
+      for (; t + 16 <= t1; t += 16) {
+        if (t < L.s) break;  // a sink among them: one at a time below
+        for (int64_t i = 0; i < 16; ++i) {
+          __m512 a, b, c2, d2;
+          unpack32(kc + (t + i) * cb, a, b);
+          unpack32(kc + (t + i) * cb + 16, c2, d2);
+          _mm512_store_ps(kb + i * 64, a);
+          _mm512_store_ps(kb + i * 64 + 16, b);
+          _mm512_store_ps(kb + i * 64 + 32, c2);
+          _mm512_store_ps(kb + i * 64 + 48, d2);
+        }
+        for (int64_t row = 0; row < R; ++row) {
+          const float* qq = qsc.data() + row * D;
+          const __m512 q0 = _mm512_loadu_ps(qq), q1 = _mm512_loadu_ps(qq + 16);
+          const __m512 q2 = _mm512_loadu_ps(qq + 32), q3 = _mm512_loadu_ps(qq + 48);
+          __m512 acc[16];
+          for (int i = 0; i < 16; ++i) {
+            const float* k = kb + i * 64;
+            __m512 x = _mm512_mul_ps(q0, _mm512_load_ps(k));
+            x = _mm512_fmadd_ps(q1, _mm512_load_ps(k + 16), x);
+            x = _mm512_fmadd_ps(q2, _mm512_load_ps(k + 32), x);
+            acc[i] = _mm512_fmadd_ps(q3, _mm512_load_ps(k + 48), x);
+          }
+          _mm512_storeu_ps(st.p.data() + row * n + t, _mm512_sub_ps(reduce16(acc), _mm512_set1_ps(qz[row])));
+        }
+      }
+    }
+#endif
+    for (; t < t1; ++t) {
       if (t < L.s) {  // exact sink token
         load_row(sk + t * 2 * D, kf.data(), D);
         for (int64_t row = 0; row < R; ++row) {
@@ -228,6 +317,8 @@ void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, con
     }
   }
   st.softmax_block(n);
+  int64_t vgroup[64];  // value group of each 16 channels (D <= 1024)
+  for (int64_t j = 0; j < D / 16 && j < 64; ++j) vgroup[j] = (16 * j) / L.vg;
   for (int64_t t = 0; t < n; ++t) {  // dequantized values of the block: vf [n, D]
     float* vt = vf.data() + t * D;
     if (t < L.s) {
@@ -237,13 +328,14 @@ void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, con
     const uint8_t* c = vc + t * cb;
 #if defined(__AVX512F__)
     if (D % 32 == 0 && L.vg % 16 == 0) {
+      const uint16_t* st_ = vs + t * nvg;
+      const uint16_t* zt_ = vz + t * nvg;
       for (int64_t j = 0; j < D / 32; ++j) {
         __m512 a, b;
         unpack32(c + 16 * j, a, b);
-        const __m512 sa = _mm512_set1_ps(half_to_float(vs[t * nvg + (32 * j) / L.vg]));
-        const __m512 za = _mm512_set1_ps(half_to_float(vz[t * nvg + (32 * j) / L.vg]));
-        const __m512 sb = _mm512_set1_ps(half_to_float(vs[t * nvg + (32 * j + 16) / L.vg]));
-        const __m512 zb = _mm512_set1_ps(half_to_float(vz[t * nvg + (32 * j + 16) / L.vg]));
+        const int64_t ga = vgroup[2 * j], gb = vgroup[2 * j + 1];
+        const __m512 sa = _mm512_set1_ps(half_to_float(st_[ga])), za = _mm512_set1_ps(half_to_float(zt_[ga]));
+        const __m512 sb = _mm512_set1_ps(half_to_float(st_[gb])), zb = _mm512_set1_ps(half_to_float(zt_[gb]));
         _mm512_storeu_ps(vt + 32 * j, _mm512_mul_ps(_mm512_sub_ps(a, za), sa));
         _mm512_storeu_ps(vt + 32 * j + 16, _mm512_mul_ps(_mm512_sub_ps(b, zb), sb));
       }
