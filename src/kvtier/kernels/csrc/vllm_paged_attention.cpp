@@ -76,6 +76,27 @@ inline __m512 reduce16(const __m512* v) {
   const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
 }
+
+// p[row * n + t + i] = q[row] . kb[i] - sub[row] (no subtraction when sub is null) for 16 tokens
+// kb [16, 64] and R query rows q [R, 64].
+inline void score16_d64(const float* kb, const float* q, int64_t R, const float* sub, float* p, int64_t n, int64_t t) {
+  for (int64_t row = 0; row < R; ++row) {
+    const float* qq = q + row * 64;
+    const __m512 q0 = _mm512_loadu_ps(qq), q1 = _mm512_loadu_ps(qq + 16);
+    const __m512 q2 = _mm512_loadu_ps(qq + 32), q3 = _mm512_loadu_ps(qq + 48);
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) {
+      const float* k = kb + i * 64;
+      __m512 x = _mm512_mul_ps(q0, _mm512_load_ps(k));
+      x = _mm512_fmadd_ps(q1, _mm512_load_ps(k + 16), x);
+      x = _mm512_fmadd_ps(q2, _mm512_load_ps(k + 32), x);
+      acc[i] = _mm512_fmadd_ps(q3, _mm512_load_ps(k + 48), x);
+    }
+    __m512 sc = reduce16(acc);
+    if (sub) sc = _mm512_sub_ps(sc, _mm512_set1_ps(sub[row]));
+    _mm512_storeu_ps(p + row * n + t, sc);
+  }
+}
 #endif
 
 inline float half_to_float(uint16_t h) {
@@ -260,20 +281,7 @@ void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, con
           _mm512_store_ps(kb + i * 64 + 32, c2);
           _mm512_store_ps(kb + i * 64 + 48, d2);
         }
-        for (int64_t row = 0; row < R; ++row) {
-          const float* qq = qsc.data() + row * D;
-          const __m512 q0 = _mm512_loadu_ps(qq), q1 = _mm512_loadu_ps(qq + 16);
-          const __m512 q2 = _mm512_loadu_ps(qq + 32), q3 = _mm512_loadu_ps(qq + 48);
-          __m512 acc[16];
-          for (int i = 0; i < 16; ++i) {
-            const float* k = kb + i * 64;
-            __m512 x = _mm512_mul_ps(q0, _mm512_load_ps(k));
-            x = _mm512_fmadd_ps(q1, _mm512_load_ps(k + 16), x);
-            x = _mm512_fmadd_ps(q2, _mm512_load_ps(k + 32), x);
-            acc[i] = _mm512_fmadd_ps(q3, _mm512_load_ps(k + 48), x);
-          }
-          _mm512_storeu_ps(st.p.data() + row * n + t, _mm512_sub_ps(reduce16(acc), _mm512_set1_ps(qz[row])));
-        }
+        score16_d64(kb, qsc.data(), R, qz.data(), st.p.data(), n, t);
       }
     }
 #endif
@@ -319,6 +327,45 @@ void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, con
   st.softmax_block(n);
   int64_t vgroup[64];  // value group of each 16 channels (D <= 1024)
   for (int64_t j = 0; j < D / 16 && j < 64; ++j) vgroup[j] = (16 * j) / L.vg;
+#if defined(__AVX512F__)
+  if (D == 64 && L.vg % 16 == 0) {  // values dequantized in registers, folded into 4 rows at a time
+    alignas(64) float sinkv[64];
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      const int rb = static_cast<int>(std::min<int64_t>(4, R - r0));
+      __m512 x[4][4];
+      for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < 4; ++c)
+          x[r][c] = r < rb ? _mm512_loadu_ps(st.acc.data() + (r0 + r) * D + 16 * c) : _mm512_setzero_ps();
+      const float* pr = st.p.data() + r0 * n;
+      for (int64_t t = 0; t < n; ++t) {
+        __m512 v[4];
+        if (t < L.s) {
+          load_row(sk + t * 2 * D + D, sinkv, D);
+          for (int c = 0; c < 4; ++c) v[c] = _mm512_load_ps(sinkv + 16 * c);
+        } else {
+          const uint8_t* cc = vc + t * cb;
+          unpack32(cc, v[0], v[1]);
+          unpack32(cc + 16, v[2], v[3]);
+          const uint16_t* st_ = vs + t * nvg;
+          const uint16_t* zt_ = vz + t * nvg;
+          for (int c = 0; c < 4; ++c) {
+            const int64_t g = vgroup[c];
+            v[c] = _mm512_mul_ps(_mm512_sub_ps(v[c], _mm512_set1_ps(half_to_float(zt_[g]))),
+                                 _mm512_set1_ps(half_to_float(st_[g])));
+          }
+        }
+        for (int r = 0; r < 4; ++r) {
+          if (r >= rb) break;
+          const __m512 b = _mm512_set1_ps(pr[r * n + t]);
+          for (int c = 0; c < 4; ++c) x[r][c] = _mm512_fmadd_ps(b, v[c], x[r][c]);
+        }
+      }
+      for (int r = 0; r < rb; ++r)
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(st.acc.data() + (r0 + r) * D + 16 * c, x[r][c]);
+    }
+    return;
+  }
+#endif
   for (int64_t t = 0; t < n; ++t) {  // dequantized values of the block: vf [n, D]
     float* vt = vf.data() + t * D;
     if (t < L.s) {
@@ -420,7 +467,17 @@ void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Ten
       };
       for (int64_t t0 = 0; t0 < ne; t0 += T) {
         const int64_t n = std::min(T, ne - t0);
-        for (int64_t t = 0; t < n; ++t) {
+        int64_t t = 0;
+#if defined(__AVX512F__)
+        if (D == 64) {  // 16 rows at a time while every query row sees all of them
+          alignas(64) float kb[16 * 64];
+          for (; t + 16 <= n && t0 + t + 16 <= ne - qn + 1; t += 16) {
+            for (int64_t i = 0; i < 16; ++i) load_row(krow(t0 + t + i), kb + i * 64, D);
+            score16_d64(kb, qf.data(), R, nullptr, st.p.data(), n, t);
+          }
+        }
+#endif
+        for (; t < n; ++t) {
           load_row(krow(t0 + t), kf.data(), D);
           for (int64_t row = 0; row < R; ++row) {
             const int64_t limit = ne - qn + row / G + 1;  // exact rows visible to this query
