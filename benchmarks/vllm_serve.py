@@ -16,7 +16,8 @@ Parts (``--parts``):
   chunked prefill of ``--chunk`` tokens so later chunks attend the pages of earlier ones;
 - ``speed``: one request of a 2k prompt + 64 new tokens, wall time (median of ``--reps``);
 - ``load``: ``--requests`` requests of a 2k prompt + 128 new tokens submitted at once: wall time,
-  total (prompt + new) tokens/s, the most requests running at once, preemptions.
+  total (prompt + new) tokens/s, the most requests running at once, and the seconds spent in steps
+  that carry prompt tokens vs steps of decode rows only (``execute_model`` timed).
 
 Prints ratios to ``vllm``; ends with one JSON line. Time alone on the machine:
 ``flock /tmp/kvtier-bench.lock python benchmarks/vllm_serve.py --parts speed,load``.
@@ -142,11 +143,31 @@ def load(llm, tok, args, name: str) -> dict:  # noqa: ANN001
         return out
 
     sched.schedule = schedule
+    # where the time goes: steps with prompt tokens vs steps of decode rows only
+    executor = llm.llm_engine.engine_core.engine_core.model_executor
+    run_step = executor.execute_model
+    phase = {"prefill_steps_s": 0.0, "decode_steps_s": 0.0, "decode_steps": 0}
+
+    def execute_model(so, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        t0 = time.perf_counter()
+        out = run_step(so, *a, **k)
+        dt = time.perf_counter() - t0
+        if so.num_scheduled_tokens and all(n == 1 for n in so.num_scheduled_tokens.values()):
+            phase["decode_steps_s"] += dt
+            phase["decode_steps"] += 1
+        else:
+            phase["prefill_steps_s"] += dt
+        return out
+
+    executor.execute_model = execute_model
     sp = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True, detokenize=False)
     t = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    try:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    finally:
+        sched.schedule = orig
+        executor.execute_model = run_step
     wall = time.perf_counter() - t
-    sched.schedule = orig
     new = sum(len(o.outputs[0].token_ids) for o in outs)
     side = 0
     if name not in ("vllm", "fp8"):
@@ -160,6 +181,7 @@ def load(llm, tok, args, name: str) -> dict:  # noqa: ANN001
         "load_new_tok_s": new / wall,
         "max_running": seen["running"],
         "steps": seen["steps"],
+        **phase,
     }
 
 
