@@ -14,7 +14,10 @@
 //
 // Per (request, kv head) task, every query row that shares the head (G query heads x q tokens) runs
 // an online softmax over: the packed blocks (all visible; a cached block read in part: its first
-// rows), then the exact rows (causal: query i of q sees exact row j < ne - q + i + 1).
+// rows), then the exact rows (causal: query i of q sees exact row j < ne - q + i + 1). With AVX-512
+// and head_dim 64, keys are scored 16 tokens at a time (unpacked once, one transpose-and-add tree
+// for the 16 dot products of a row) and packed values are dequantized in registers and folded into
+// 4 query rows at a time. Tasks run on torch's threads (built with OpenMP: kvtier/kernels/build.py).
 // References: kvtier.vllm.paged.attend_layer and update_layer.
 #include <torch/extension.h>
 #include <ATen/Dispatch.h>
