@@ -5,7 +5,8 @@ Owns reading the kernel sources in ``kernels/csrc/`` (shipped as package data) a
 are built with; imports only the standard library and, when a kernel is built, ``torch``. A source
 is handed to ``torch.utils.cpp_extension.load_inline`` as text, with every ``#include "x.h"`` of a
 ``csrc/`` file replaced by that file's text: the compiled text then depends only on the sources,
-not on where the package is installed, so every checkout and install shares one cached build.
+not on where the package is installed, so every checkout and install shares one cached build (one per
+torch installation: see :func:`load`).
 """
 
 from __future__ import annotations
@@ -54,17 +55,19 @@ def load(name: str, filename: str, functions: list[str], cflags: tuple[str, ...]
 
     Needs a C++ compiler and ninja; ``torch.utils.cpp_extension.load_inline`` generates the Python
     bindings. ``name`` carries a version suffix, bumped whenever the compiled text changes; the
-    module is built as ``<name>_omp`` with :data:`OPENMP_FLAGS` (its tasks on torch's threads) or,
-    where that build fails, as ``<name>`` without them (one thread, with a warning).
+    module is built as ``<name>_<torch tag>_omp`` with :data:`OPENMP_FLAGS` (its tasks on torch's
+    threads) or, where that build fails, as ``<name>_<torch tag>`` without them (one thread, with a
+    warning); the tag (:func:`_torch_tag`) keeps environments with their own torch apart.
     """
     from torch.utils.cpp_extension import load_inline
 
     text = source(filename)
+    built = f"{name}_{_torch_tag()}"
     try:
-        return _load(load_inline, name + "_omp", text, functions, (*cflags, *OPENMP_FLAGS), OPENMP_FLAGS)
+        return _load(load_inline, built + "_omp", text, functions, (*cflags, *OPENMP_FLAGS), OPENMP_FLAGS)
     except Exception as err:  # noqa: BLE001 - e.g. a compiler without OpenMP: the serial build below
         omp_error = err
-    module = _load(load_inline, name, text, functions, cflags, ())
+    module = _load(load_inline, built, text, functions, cflags, ())
     warnings.warn(
         f"kvtier: {name} built without OpenMP (its build with {' '.join(OPENMP_FLAGS)} failed: "
         f"{str(omp_error).splitlines()[0] if str(omp_error) else type(omp_error).__name__}); "
@@ -72,6 +75,18 @@ def load(name: str, filename: str, functions: list[str], cflags: tuple[str, ...]
         stacklevel=3,
     )
     return module
+
+
+def _torch_tag() -> str:
+    """8 hex digits of where torch is installed. torch's build command names its include folders,
+    so two environments with their own torch (kvtier's ``.venv`` and ``.venv-vllm``) would rebuild a
+    shared module on every switch; with the tag each keeps its own build, and checkouts and installs
+    using the same torch still share one."""
+    import hashlib
+
+    import torch
+
+    return hashlib.sha1(os.path.dirname(os.path.realpath(torch.__file__)).encode()).hexdigest()[:8]
 
 
 def _load(load_inline, name: str, text: str, functions, cflags, ldflags) -> Any:  # noqa: ANN001
