@@ -202,11 +202,12 @@ struct Rows {
     }
   }
 #if defined(__AVX512F__)
-  // add_values for D = 16 C: RB rows x C vectors of accumulators stay in registers over the tokens
-  // (each value row loaded once per RB rows; RB x C independent FMA chains instead of one at a
-  // time). Every (row, channel) still sums its tokens in order from acc: the same fp32 result.
-  template <int C>
-  void add_values_blocked(int64_t n, const float* v) {
+  // acc[row] += sum_t p[row * n + t] * value(t) for D = 16 C, value(t, vv) filling vv[C] with token
+  // t's value row: RB rows x C vectors of accumulators stay in registers over the tokens (each value
+  // row made once per RB rows; RB x C independent FMA chains). Every (row, channel) still sums its
+  // tokens in order from acc: the same fp32 result as the loop in add_values.
+  template <int C, typename ValueRow>
+  void fold_values(int64_t n, ValueRow value) {
     constexpr int RB = C <= 4 ? 4 : 2;  // RB * C <= 16 accumulators
     for (int64_t r0 = 0; r0 < R; r0 += RB) {
       const int rb = static_cast<int>(std::min<int64_t>(RB, R - r0));
@@ -219,8 +220,7 @@ struct Rows {
       const float* pr = p.data() + r0 * n;
       for (int64_t t = 0; t < n; ++t) {
         __m512 vv[C];
-#pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v + t * D + 16 * c);
+        value(t, vv);
 #pragma GCC unroll 4
         for (int r = 0; r < RB; ++r) {
           if (r >= rb) break;
@@ -235,6 +235,14 @@ struct Rows {
 #pragma GCC unroll 8
           for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc.data() + (r0 + r) * D + 16 * c, x[r][c]);
     }
+  }
+  // add_values over value rows v [n, D] already in memory
+  template <int C>
+  void add_values_blocked(int64_t n, const float* v) {
+    fold_values<C>(n, [&](int64_t t, __m512* vv) {
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v + t * D + 16 * c);
+    });
   }
 #endif
 };
@@ -333,39 +341,23 @@ void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, con
 #if defined(__AVX512F__)
   if (D == 64 && L.vg % 16 == 0) {  // values dequantized in registers, folded into 4 rows at a time
     alignas(64) float sinkv[64];
-    for (int64_t r0 = 0; r0 < R; r0 += 4) {
-      const int rb = static_cast<int>(std::min<int64_t>(4, R - r0));
-      __m512 x[4][4];
-      for (int r = 0; r < 4; ++r)
-        for (int c = 0; c < 4; ++c)
-          x[r][c] = r < rb ? _mm512_loadu_ps(st.acc.data() + (r0 + r) * D + 16 * c) : _mm512_setzero_ps();
-      const float* pr = st.p.data() + r0 * n;
-      for (int64_t t = 0; t < n; ++t) {
-        __m512 v[4];
-        if (t < L.s) {
-          load_row(sk + t * 2 * D + D, sinkv, D);
-          for (int c = 0; c < 4; ++c) v[c] = _mm512_load_ps(sinkv + 16 * c);
-        } else {
-          const uint8_t* cc = vc + t * cb;
-          unpack32(cc, v[0], v[1]);
-          unpack32(cc + 16, v[2], v[3]);
-          const uint16_t* st_ = vs + t * nvg;
-          const uint16_t* zt_ = vz + t * nvg;
-          for (int c = 0; c < 4; ++c) {
-            const int64_t g = vgroup[c];
-            v[c] = _mm512_mul_ps(_mm512_sub_ps(v[c], _mm512_set1_ps(half_to_float(zt_[g]))),
-                                 _mm512_set1_ps(half_to_float(st_[g])));
-          }
-        }
-        for (int r = 0; r < 4; ++r) {
-          if (r >= rb) break;
-          const __m512 b = _mm512_set1_ps(pr[r * n + t]);
-          for (int c = 0; c < 4; ++c) x[r][c] = _mm512_fmadd_ps(b, v[c], x[r][c]);
-        }
+    st.fold_values<4>(n, [&](int64_t t, __m512* v) {
+      if (t < L.s) {
+        load_row(sk + t * 2 * D + D, sinkv, D);
+        for (int c = 0; c < 4; ++c) v[c] = _mm512_load_ps(sinkv + 16 * c);
+        return;
       }
-      for (int r = 0; r < rb; ++r)
-        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(st.acc.data() + (r0 + r) * D + 16 * c, x[r][c]);
-    }
+      const uint8_t* cc = vc + t * cb;
+      unpack32(cc, v[0], v[1]);
+      unpack32(cc + 16, v[2], v[3]);
+      const uint16_t* st_ = vs + t * nvg;
+      const uint16_t* zt_ = vz + t * nvg;
+      for (int c = 0; c < 4; ++c) {
+        const int64_t g = vgroup[c];
+        v[c] = _mm512_mul_ps(_mm512_sub_ps(v[c], _mm512_set1_ps(half_to_float(zt_[g]))),
+                             _mm512_set1_ps(half_to_float(st_[g])));
+      }
+    });
     return;
   }
 #endif
