@@ -106,6 +106,16 @@ inline float half_to_float(uint16_t h) {
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
 
+// dst[i] = src[i] as fp32, i < n (fp16 bits), 16 at a time where AVX-512 is built
+inline void halves_to_floats(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
 inline uint16_t float_to_half_bits(float f) {
   return c10::Half(f).x;
 }
@@ -262,10 +272,8 @@ void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, con
   const uint8_t* vc = page + L.vcodes + h * T * cb;
   for (int64_t t0 = 0; t0 < n; t0 += L.kg) {
     const int64_t g = t0 / L.kg, t1 = std::min(n, t0 + L.kg);
-    for (int64_t d = 0; d < D; ++d) {
-      kf[d] = half_to_float(ks[g * D + d]);
-      vf[d] = half_to_float(kz[g * D + d]);
-    }
+    halves_to_floats(ks + g * D, kf.data(), D);
+    halves_to_floats(kz + g * D, vf.data(), D);
     for (int64_t row = 0; row < R; ++row) {  // q * s and (q * s) . z of this key group
       const float* qr = qf + row * D;
       float* qq = qsc.data() + row * D;
@@ -341,6 +349,10 @@ void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, con
 #if defined(__AVX512F__)
   if (D == 64 && L.vg % 16 == 0) {  // values dequantized in registers, folded into 4 rows at a time
     alignas(64) float sinkv[64];
+    float* vsf = vf.data();  // the block's value scales and zeros as fp32 (vf is free on this path)
+    float* vzf = vf.data() + T * nvg;
+    halves_to_floats(vs, vsf, n * nvg);
+    halves_to_floats(vz, vzf, n * nvg);
     st.fold_values<4>(n, [&](int64_t t, __m512* v) {
       if (t < L.s) {
         load_row(sk + t * 2 * D + D, sinkv, D);
@@ -350,12 +362,11 @@ void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, con
       const uint8_t* cc = vc + t * cb;
       unpack32(cc, v[0], v[1]);
       unpack32(cc + 16, v[2], v[3]);
-      const uint16_t* st_ = vs + t * nvg;
-      const uint16_t* zt_ = vz + t * nvg;
+      const float* st_ = vsf + t * nvg;
+      const float* zt_ = vzf + t * nvg;
       for (int c = 0; c < 4; ++c) {
         const int64_t g = vgroup[c];
-        v[c] = _mm512_mul_ps(_mm512_sub_ps(v[c], _mm512_set1_ps(half_to_float(zt_[g]))),
-                             _mm512_set1_ps(half_to_float(st_[g])));
+        v[c] = _mm512_mul_ps(_mm512_sub_ps(v[c], _mm512_set1_ps(zt_[g])), _mm512_set1_ps(st_[g]));
       }
     });
     return;
