@@ -166,6 +166,28 @@ struct Task {
   }
 };
 
+// A 64-byte aligned buffer of at least `bytes`, kept per thread and slot and grown on demand: the
+// packed K / V of a call (slot 0, calling thread) and each task's accumulators (slot 1) are not
+// allocated afresh per layer (large fresh allocations cost page faults and zeroing every call).
+void* scratch(int slot, size_t bytes) {
+  struct Buf {
+    void* p = nullptr;
+    size_t n = 0;
+    ~Buf() { std::free(p); }
+  };
+  thread_local Buf bufs[2];
+  Buf& b = bufs[slot];
+  if (b.n < bytes) {
+    const size_t n = (std::max(bytes, b.n * 2) + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, n);
+    TORCH_CHECK(p != nullptr, "kvtier prefill kernel: out of memory (", n, " bytes)");
+    std::free(b.p);
+    b.p = p;
+    b.n = n;
+  }
+  return b.p;
+}
+
 // keys of head h into kp [ceil(L/16)][D/2][16] dwords (zero past L)
 void pack_keys(const torch::Tensor& k, int64_t h, int64_t D, uint32_t* kp) {
   const int64_t L = k.size(0), NP = D / 2, s0 = k.stride(0), s1 = k.stride(1);
@@ -207,8 +229,7 @@ void attend_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
   const int64_t kblocks = (L + 15) / 16, pairs = (L + 1) / 2;
   const int64_t kstride = ((kblocks + 3) / 4 * 4) * NP * 16, vstride = ((pairs + 31) / 32 * 32) * ND * 16;
   // packed K / V of every head (padded to whole 64-key blocks, zero-filled there)
-  uint32_t* kp = static_cast<uint32_t*>(std::aligned_alloc(64, sizeof(uint32_t) * (H * (kstride + vstride) + 16)));
-  std::unique_ptr<uint32_t, decltype(&std::free)> hold(kp, &std::free);
+  uint32_t* kp = static_cast<uint32_t*>(scratch(0, sizeof(uint32_t) * (H * (kstride + vstride) + 16)));
   uint32_t* vp = kp + H * kstride;
   at::parallel_for(0, 2 * H, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
@@ -232,8 +253,7 @@ void attend_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
     std::vector<const uint32_t*> qrows;
     std::vector<int64_t> lim;
     std::vector<std::pair<int64_t, int64_t>> who;  // (token, query head) of each row
-    float* Obuf = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * (QT * G + RB) * (D + 16)));
-    std::unique_ptr<float, decltype(&std::free)> hold_o(Obuf, &std::free);
+    float* Obuf = static_cast<float*>(scratch(1, sizeof(float) * (QT * G + RB) * (D + 16)));
     float* lbuf = Obuf + (QT * G + RB) * D;  // [rows][16] lane sums
     for (int64_t t = b; t < e; ++t) {
       // interleave early and late tiles: t = 0, 1, 2, 3, ... -> tile 0, last, 1, last - 1, ...

@@ -102,6 +102,63 @@ inline void score16_d64(const float* kb, const float* q, int64_t R, const float*
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// 32 4-bit codes (16 bytes, low nibble first) as 32 bf16 in code order: dword j holds codes 2j, 2j+1
+// (the pair layout of VDPBF16PS). Codes 0..15 are exact in bf16 (a 16-entry table).
+inline __m512i codes32_bf16(const uint8_t* c) {
+  const __m512i lut = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150,
+                                       0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080,
+                                       0x4040, 0x4000, 0x3F80, 0x0000);
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+  const __m512i lo = _mm512_and_si512(x, _mm512_set1_epi32(15));
+  // lo | ((x << 12) & 0xF0000): the high nibble into the upper word
+  const __m512i idx = _mm512_ternarylogic_epi32(lo, _mm512_slli_epi32(x, 12), _mm512_set1_epi32(0xF0000), 0xF8);
+  return _mm512_permutexvar_epi16(idx, lut);
+}
+
+// fp32 row x [64] as bf16 hi + lo (hi = bf16(x), lo = bf16(x - hi): x to ~2^-17 of itself), each
+// two vectors of 32 in channel order
+inline void split_bf16(const float* x, __m512i* hi, __m512i* lo) {
+  for (int j = 0; j < 2; ++j) {
+    const __m512 a = _mm512_loadu_ps(x + 32 * j), b = _mm512_loadu_ps(x + 32 * j + 16);
+    const __m512i h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
+    const __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+    const __m512 hb =
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+    hi[j] = h;
+    lo[j] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha)));
+  }
+}
+
+inline __m512 dotbf(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+
+// p[row * n + t + i] = qs[row] . codes(t + i) - sub[row] for 16 tokens of 4-bit codes kc (32 bytes
+// each) and R rows qs [R, 64] (q times the key scales, fp32): codes exact in bf16, qs split into
+// bf16 hi + lo, products summed in fp32 (VDPBF16PS), one transpose-and-add tree per row
+inline void score16_codes_d64(const uint8_t* kc, const float* qs, int64_t R, const float* sub, float* p, int64_t n,
+                              int64_t t) {
+  alignas(64) __m512i kb[16][2];
+  for (int i = 0; i < 16; ++i) {
+    kb[i][0] = codes32_bf16(kc + i * 32);
+    kb[i][1] = codes32_bf16(kc + i * 32 + 16);
+  }
+  for (int64_t row = 0; row < R; ++row) {
+    __m512i hi[2], lo[2];
+    split_bf16(qs + row * 64, hi, lo);
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) {
+      __m512 x = dotbf(_mm512_setzero_ps(), kb[i][0], lo[0]);
+      x = dotbf(x, kb[i][1], lo[1]);
+      x = dotbf(x, kb[i][0], hi[0]);
+      acc[i] = dotbf(x, kb[i][1], hi[1]);
+    }
+    _mm512_storeu_ps(p + row * n + t, _mm512_sub_ps(reduce16(acc), _mm512_set1_ps(sub[row])));
+  }
+}
+#endif
+
 inline float half_to_float(uint16_t h) {
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
@@ -287,6 +344,14 @@ void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, con
     }
     int64_t t = t0;
 #if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+    if (D == 64) {  // 16 tokens at a time on bf16 dot products (exact codes, q * s as hi + lo)
+      for (; t + 16 <= t1; t += 16) {
+        if (t < L.s) break;  // a sink among them: one at a time below
+        score16_codes_d64(kc + t * cb, qsc.data(), R, qz.data(), st.p.data(), n, t);
+      }
+    }
+#endif
     if (D == 64) {  // 16 tokens at a time: unpacked once into kb, each row's 16 dot products reduced together
       alignas(64) float kb[16 * 64];
       for (; t + 16 <= t1; t += 16) {
