@@ -292,17 +292,30 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
 #: wins); the others (decode) through the fused kernel, which reads the packed pages once
 KERNEL_MAX_QUERY = 16
 
+#: new tokens up to which a chunk *over packed earlier blocks* also goes through the fused kernel,
+#: which reads the pages in place (fp32, like the reference): 2.0-2.4x / 1.3-1.6x / 1.16-1.23x as
+#: fast as decoding the pages for vLLM's fp32 kernel (:mod:`.prefill`) for 17 / 32 / 48 new tokens
+#: over 2k packed tokens, 0.91-0.93x at 64 (2 threads, two runs of ``benchmarks/vllm_chunk_path.py``);
+#: longer chunks, and chunks with no packed block (kvtier's bf16 prefill kernel), go to :mod:`.prefill`.
+KERNEL_MAX_CHUNK = 48
+
+
+def fused_takes(req: RequestPlan) -> bool:
+    """Whether the fused kernel attends request ``req`` of a step (else :mod:`.prefill` does)."""
+    n = req.qe - req.qs
+    return n <= KERNEL_MAX_QUERY or (bool(req.packed or req.head_rows) and n <= KERNEL_MAX_CHUNK)
+
 
 def kernel_index(plan: StepPlan) -> dict:
     """Index tensors of the fused kernels for ``plan`` (built once per step, cached on it): the
-    requests with at most :data:`KERNEL_MAX_QUERY` new tokens (``reqs [R, 6]``: new tokens,
+    requests :func:`fused_takes` (``reqs [R, 6]``: new tokens,
     side slot and rows, cached block read in part and its rows; their packed blocks ``pstart``,
     ``pids``), the other requests (``rest``), the blocks to pack (``enc [E, 4]``: page, side slot,
     side rows, first new token) and the side writes (``writes [W, 2]``: side row, new token)."""
     if plan.index is None:
         reqs, pstart, pids, rest = [], [0], [], []
         for req in plan.requests:
-            if req.qe - req.qs > KERNEL_MAX_QUERY:
+            if not fused_takes(req):
                 rest.append(req)
                 continue
             pids.extend(req.packed)

@@ -1,7 +1,7 @@
-"""Prefill chunks over packed pages through vLLM's own CPU attention kernels.
+"""Prefill chunks over packed pages: kvtier's bf16 kernel or vLLM's own CPU attention kernels.
 
-A request of a step with more than :data:`kvtier.vllm.paged.KERNEL_MAX_QUERY` new tokens (a prefill
-chunk) is compute-bound: its new tokens attend everything before them and each other, causal.
+A request of a step that the fused kernel does not take (:func:`kvtier.vllm.paged.fused_takes`: a
+prefill chunk) is compute-bound: its new tokens attend everything before them and each other, causal.
 :class:`VllmPrefill` stages, per layer, that request's keys and values in model dtype into a
 scratch paged cache of vLLM's CPU layout (the packed earlier blocks decoded, the exact rows of its
 side slot or of a cached block read in part, then the chunk itself, through vLLM's

@@ -1,0 +1,96 @@
+"""A short prefill chunk over packed pages: kvtier's fused kernel vs the prefill path, one layer.
+
+One request with ``--context`` tokens already packed (4-bit pages, SmolLM2-135M's shape: 9 query /
+3 KV heads of 64, 128-token blocks) and a chunk of ``--chunks`` new tokens: through the fused
+kernel (``kvtier.vllm.paged.attend_layer_fused``, pages read in place) and through
+``kvtier.vllm.prefill.VllmPrefill`` (pages decoded to fp32, vLLM's fp32 CPU kernel). This is what
+``kvtier.vllm.paged.KERNEL_MAX_CHUNK`` is set from. Best of ``--rounds`` rounds, alternating. vLLM venv:
+
+    python benchmarks/vllm_chunk_path.py --threads 2 --chunks 17,32,48,64
+
+Prints ms per call and the ratio; ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+H, HQ, D, T = 3, 9, 64, 128
+
+
+def case(chunk: int, context: int, rounds: int, iters: int = 50) -> dict:
+    from kvtier.vllm import paged
+    from kvtier.vllm.paged import SideBuffer, attend_layer_fused, plan_step
+    from kvtier.vllm.pages import PageFormat, PagePolicy
+    from kvtier.vllm.prefill import VllmPrefill
+
+    torch.manual_seed(0)
+    fmt = PageFormat(PagePolicy(block_size=T), H, D, torch.bfloat16)
+    nb = context // T + 1
+    k = torch.randn(nb * T, H, D).bfloat16()
+    v = torch.randn_like(k)
+    pages = torch.zeros(nb + 1, fmt.page_bytes, dtype=torch.uint8)
+    pages[1:] = fmt.encode(k.view(-1, T, H, D).transpose(1, 2), v.view(-1, T, H, D).transpose(1, 2))
+    pre = VllmPrefill(HQ, H, D, T, torch.bfloat16)
+    side = SideBuffer(8, T, H, D, torch.bfloat16)
+    table = torch.tensor([[1 + j for j in range(nb)]])
+    side.packed.update(table[:, : context // T].flatten().tolist())
+    q = torch.randn(chunk, HQ, D).bfloat16()
+    kn, vn = torch.randn(chunk, H, D).bfloat16(), torch.randn(chunk, H, D).bfloat16()
+    layer = side.layer("l")
+    outs = {name: torch.empty(chunk, HQ, D, dtype=torch.bfloat16) for name in ("fused", "prefill")}
+    best = dict.fromkeys(outs, float("inf"))
+    saved = paged.KERNEL_MAX_QUERY, paged.KERNEL_MAX_CHUNK
+    try:
+        for _ in range(rounds):
+            for name, out in outs.items():
+                paged.KERNEL_MAX_QUERY, paged.KERNEL_MAX_CHUNK = (1 << 30, 1 << 30) if name == "fused" else (0, 0)
+                plan = plan_step(side, [0, chunk], [context + chunk], table, chunk)
+                plans = pre.plan(plan)
+
+                def run(plan=plan, plans=plans, out=out, name=name) -> None:
+                    if name == "fused":
+                        attend_layer_fused(fmt, plan, pages, layer, q, kn, vn, D**-0.5, out=out, rest=False)
+                    for p in plans:
+                        pre.attend(fmt, p, pages, layer, q, kn, vn, D**-0.5, out)
+
+                run()
+                t = time.perf_counter()
+                for _ in range(iters):
+                    run()
+                best[name] = min(best[name], (time.perf_counter() - t) / iters * 1e3)
+    finally:
+        paged.KERNEL_MAX_QUERY, paged.KERNEL_MAX_CHUNK = saved
+    diff = (outs["fused"].float() - outs["prefill"].float()).abs().max().item()
+    return {"fused_ms": best["fused"], "prefill_ms": best["prefill"], "speedup": best["prefill"] / best["fused"],
+            "max_abs_diff": diff}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", default="2")
+    ap.add_argument("--chunks", default="17,32,48,64")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    results = []
+    for th in map(int, args.threads.split(",")):
+        torch.set_num_threads(th)
+        for chunk in map(int, args.chunks.split(",")):
+            res = {"threads": th, "chunk": chunk, "context": args.context, **case(chunk, args.context, args.rounds)}
+            print(
+                f"threads={th} chunk={chunk} over {args.context} packed: fused kernel {res['fused_ms']:.3f} ms, "
+                f"prefill path {res['prefill_ms']:.3f} ms ({res['speedup']:.2f}x), max diff {res['max_abs_diff']:.1e}",
+                flush=True,
+            )
+            results.append(res)
+    print(json.dumps({"bench": "vllm_chunk_path", "args": vars(args), "load": os.getloadavg(), "results": results}))
+
+
+if __name__ == "__main__":
+    main()
