@@ -23,7 +23,7 @@ transformers or ``kvtier.hf``. ``import kvtier`` never imports this package.
 
 from .blocks import BlockCodec, BlockFormat, RecordCorrupt
 from .config import StoreConfig, kv_transfer_config
-from .engine import attention_backend, engine_kwargs, kv_bytes_per_token
+from .engine import attention_backend, engine_kwargs, kv_bytes_per_token, serve_args
 from .pages import PAGE_POLICIES, PagePolicy, get_page_policy
 from .policy import POLICIES, StorePolicy, get_store_policy
 from .store import PrefixStore
@@ -36,6 +36,7 @@ __all__ = [
     "engine_kwargs",
     "get_page_policy",
     "kv_bytes_per_token",
+    "serve_args",
     "BlockCodec",
     "BlockFormat",
     "PrefixStore",

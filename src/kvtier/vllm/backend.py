@@ -40,7 +40,7 @@ from .paged import (
     update_layer,
     update_layer_fused,
 )
-from .pages import _PREFIX, CONFIG_KEY, PageFormat, PagePolicy, get_page_policy, parse_policy_name, policy_name
+from .pages import _PREFIX, CONFIG_KEY, SELECT, PageFormat, PagePolicy, get_page_policy, parse_policy_name, policy_name
 from .prefill import PrefillPlan, VllmPrefill
 
 _SIDES: weakref.WeakSet[SideBuffer] = weakref.WeakSet()
@@ -241,8 +241,31 @@ def backend_class(policy: str | PagePolicy) -> type:
     return _CLASSES[name]
 
 
+def selected_backend() -> type:
+    """The backend of the engine vLLM is building (the class path :data:`kvtier.vllm.engine.SELECT_PATH`
+    resolves to this): kvtier's for the policy its ``additional_config`` names
+    (:func:`kvtier.vllm.engine.engine_kwargs`, :func:`~kvtier.vllm.engine.serve_args`), else vLLM's
+    own ``CPU_ATTN`` class, unchanged."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    cfg = get_current_vllm_config_or_none()
+    asked = ((cfg.additional_config or {}) if cfg is not None else {}).get(CONFIG_KEY)
+    if asked is None:
+        return CPUAttentionBackend
+    try:
+        return backend_class(parse_policy_name(asked))
+    except (TypeError, ValueError, KeyError, AttributeError) as err:
+        raise ValueError(
+            f"additional_config[{CONFIG_KEY!r}]={asked!r} names no kvtier policy: "
+            "take it from kvtier.vllm.engine_kwargs(...) or serve_args(...)"
+        ) from err
+
+
 def __getattr__(name: str):  # noqa: ANN202
-    """Resolve a backend class path (``kvtier.vllm.backend.<policy_name>``) in any process."""
+    """Resolve a backend class path (``kvtier.vllm.backend.<policy_name>``, or the per-engine
+    selector ``kvtier.vllm.backend.KVTierSelect``) in any process."""
+    if name == SELECT:
+        return selected_backend()
     if name.startswith(_PREFIX):
         return backend_class(parse_policy_name(name))
     raise AttributeError(name)

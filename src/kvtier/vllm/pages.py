@@ -110,6 +110,8 @@ def get_page_policy(policy: str | PagePolicy) -> PagePolicy:
 #: key of vLLM's ``additional_config`` naming the engine's kvtier backend
 CONFIG_KEY = "kvtier_attention"
 _PREFIX = "KVTierAttention_"
+#: name of the per-engine backend selector in :mod:`kvtier.vllm.backend` (``vllm serve``'s plugin)
+SELECT = "KVTierSelect"
 
 
 def policy_name(policy: PagePolicy) -> str:
@@ -123,6 +125,8 @@ def policy_name(policy: PagePolicy) -> str:
 
 def parse_policy_name(name: str) -> PagePolicy:
     """Inverse of :func:`policy_name`."""
+    if not isinstance(name, str) or not name.startswith(_PREFIX):
+        raise ValueError(f"{name!r} is not a kvtier backend name (expected {_PREFIX}...)")
     fields = dict((part[0], int(part[1:])) for part in name[len(_PREFIX) :].split("_"))
     return PagePolicy(
         bits=fields["b"] or None,
