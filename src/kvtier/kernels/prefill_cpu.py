@@ -22,7 +22,7 @@ from . import build
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_prefill_v4", "prefill_attention.cpp", ["prefill_attend", "prefill_supported"], ("-fno-math-errno",)
+        "kvtier_prefill_v5", "prefill_attention.cpp", ["prefill_attend", "prefill_supported"], ("-fno-math-errno",)
     )
 
 

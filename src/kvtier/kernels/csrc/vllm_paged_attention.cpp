@@ -31,29 +31,13 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "simd_exp.h"
 
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 #if defined(__AVX512F__)
-// exp(x) for x <= 0 (softmax scores minus their max): 2^n * 2^f, f in [-0.5, 0.5], degree-6 polynomial
-// (relative error ~1e-7, the fp32 rounding of std::exp); x = -inf gives 0.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));  // ln 2 * frac
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // 32 4-bit codes (16 bytes, low nibble first) as two vectors of 16 floats, in code order.
 inline void unpack32(const uint8_t* c, __m512& a, __m512& b) {
   const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
