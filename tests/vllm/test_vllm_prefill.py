@@ -71,6 +71,10 @@ def test_prefill_through_vllm_matches_torch_reference(policy: PagePolicy) -> Non
         plans = pre.plan(plan)
         assert [p.req for p in plans] == [r for r in plan.requests if not fused_takes(r)]
         assert len(plans) <= sum(s > 16 for s in sched.values())
+        for p in plans:  # the path is decided in plan: vLLM's tensors only for vLLM's kernel
+            exact = not (p.req.packed or p.req.head_rows)
+            assert p.kvtier_kernel == (exact and pre.bf16_kernel)
+            assert (p.scheduler_metadata is None) == p.kvtier_kernel
         for p in plans:
             pre.attend(fmt, p, pages, layer, q, k, v, D**-0.5, out)
         err = (out.float() - ref).abs()

@@ -6,8 +6,9 @@ prefill chunk) is compute-bound: its new tokens attend everything before them an
 scratch paged cache of vLLM's CPU layout (the packed earlier blocks decoded, the exact rows of its
 side slot or of a cached block read in part, then the chunk itself, through vLLM's
 ``cpu_attn_reshape_and_cache``) and runs vLLM's ``cpu_attention_with_kv_cache`` over it, writing
-the request's rows of the output in place. The plan (block table, lengths, vLLM's scheduler
-metadata) is made once per step (:meth:`VllmPrefill.plan`) and shared by every layer.
+the request's rows of the output in place. The plan (which kernel; for vLLM's, its block table,
+lengths and scheduler metadata) is made once per step (:meth:`VllmPrefill.plan`) and shared by
+every layer.
 
 A chunk without packed earlier blocks runs in the model dtype (its keys and values are the model's
 own, exact): in bf16 on a CPU with AVX-512 BF16 through kvtier's prefill kernel
@@ -25,23 +26,26 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import prefill_cpu
 from .paged import RequestPlan, StepPlan, kernel_index
 from .pages import PageFormat
 
 
 @dataclass
 class PrefillPlan:
-    """One prefill request of a step: its scratch blocks, and vLLM's per-call tensors."""
+    """One prefill request of a step: which kernel attends it, and that kernel's per-call tensors
+    (vLLM's only when vLLM's kernel does: ``None`` for kvtier's bf16 kernel, which needs none)."""
 
     req: RequestPlan
     context: int  # tokens before the chunk
     blocks: int
-    dtype: torch.dtype  # of the scratch pages and vLLM's kernel: fp32 when packed blocks are read
-    query_start_loc: torch.Tensor  # int32 [2]
-    seq_lens: torch.Tensor  # int32 [1]
-    block_table: torch.Tensor  # int32 [1, blocks]
-    slots: torch.Tensor  # int64 [context + chunk]
-    scheduler_metadata: torch.Tensor
+    dtype: torch.dtype  # of the chunk's keys and values: fp32 when packed blocks are read
+    kvtier_kernel: bool  # kvtier's bf16 kernel (exact bf16 keys and values), else vLLM's
+    query_start_loc: torch.Tensor | None = None  # int32 [2]
+    seq_lens: torch.Tensor | None = None  # int32 [1]
+    block_table: torch.Tensor | None = None  # int32 [1, blocks]
+    slots: torch.Tensor | None = None  # int64 [context + chunk]
+    scheduler_metadata: torch.Tensor | None = None
 
 
 def decode_rows(fmt: PageFormat, pages: torch.Tensor, ids: list[int], dtype: torch.dtype):  # noqa: ANN201
@@ -70,8 +74,6 @@ class VllmPrefill:
         self.Hq, self.H, self.D, self.T, self.dtype = num_heads, num_kv_heads, head_dim, block_size, dtype
         self.isa = {dt: _get_attn_isa(dt, block_size, head_dim, "auto") for dt in {dtype, torch.float32}}
         self._scratch = {dt: torch.empty(0, num_kv_heads, block_size, 2 * head_dim, dtype=dt) for dt in self.isa}
-        from ..kernels import prefill_cpu
-
         #: chunks of exact bf16 keys and values go through kvtier's bf16 kernel (decided once per engine)
         self.bf16_kernel = dtype == torch.bfloat16 and head_dim in (64, 128) and prefill_cpu.available()
 
@@ -85,6 +87,9 @@ class VllmPrefill:
             blocks = -(-L // self.T)
             # with packed earlier blocks, fp32: their decoded values are not values of the model dtype
             dtype = torch.float32 if req.packed or req.head_rows else self.dtype
+            if dtype == torch.bfloat16 and self.bf16_kernel:  # kvtier's kernel: no vLLM tensors
+                out.append(PrefillPlan(req, c, blocks, dtype, True))
+                continue
             qsl = torch.tensor([0, n], dtype=torch.int32)
             seq = torch.tensor([L], dtype=torch.int32)
             meta = self.ops.cpu_attn_get_scheduler_metadata(
@@ -102,7 +107,7 @@ class VllmPrefill:
             )
             table = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
             slots = torch.arange(L, dtype=torch.long)
-            out.append(PrefillPlan(req, c, blocks, dtype, qsl, seq, table, slots, meta))
+            out.append(PrefillPlan(req, c, blocks, dtype, False, qsl, seq, table, slots, meta))
         return out
 
     def scratch(self, blocks: int, dtype: torch.dtype) -> torch.Tensor:
@@ -144,9 +149,7 @@ class VllmPrefill:
                 ks.append(rows[:, 0])
                 vs.append(rows[:, 1])
             k, v = torch.cat([*ks, k.to(dt)]), torch.cat([*vs, v.to(dt)])
-        if dt == torch.bfloat16 and self.bf16_kernel:  # exact bf16 keys and values: kvtier's kernel
-            from ..kernels import prefill_cpu
-
+        if p.kvtier_kernel:  # exact bf16 keys and values (decided in plan)
             prefill_cpu.attend(q, k, v, out[req.qs : req.qe], scale)
             return
         cache = self.scratch(p.blocks, dt).view(p.blocks, self.H, 2 * self.T, self.D)
