@@ -6,6 +6,11 @@ write a bf16 output; best of ``--rounds`` rounds of ``--iters`` calls, alternati
 
     flock /tmp/kvtier-bench.lock python benchmarks/vllm_paged_kernel.py --threads 1,2 --reqs 1,48
 
+``--sparse 0.98,0.5`` adds kvtier with sparse decode (``PagePolicy.sparse_mass``) at those levels,
+timed in the same rounds, with the share of packed tokens whose values were read. On these random
+keys the weights are flat (a level keeps most tokens): it shows the selection's cost, not what it
+saves on a model's attention (``benchmarks/vllm_serve.py`` reports that share for real runs).
+
 Prints ms per call and the ratio; ends with one JSON line.
 """
 
@@ -21,7 +26,7 @@ import torch
 H, HQ, D, T = 3, 9, 64, 128
 
 
-def case(reqs: int, length: int, iters: int, rounds: int) -> dict:
+def case(reqs: int, length: int, iters: int, rounds: int, levels: tuple[float, ...] = ()) -> dict:
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -64,6 +69,12 @@ def case(reqs: int, length: int, iters: int, rounds: int) -> dict:
     def kvtier() -> None:
         attend_layer_fused(fmt, plan, pages, layer, q, kn, vn, D**-0.5, out=out)
 
+    counts = {lv: torch.zeros(2, dtype=torch.long) for lv in levels}
+
+    def sparse(level: float):  # noqa: ANN202
+        sfmt = PageFormat(PagePolicy(block_size=T, sparse_mass=level), H, D, torch.bfloat16)
+        return lambda: attend_layer_fused(sfmt, plan, pages, layer, q, kn, vn, D**-0.5, out=out, counts=counts[level])
+
     def vllm() -> None:
         ops.cpu_attention_with_kv_cache(
             query=q, key_cache=kc, value_cache=vc, output=out2, query_start_loc=qsl, seq_lens=seq,
@@ -71,16 +82,21 @@ def case(reqs: int, length: int, iters: int, rounds: int) -> dict:
             scheduler_metadata=meta, s_aux=None,
         )  # fmt: skip
 
-    best = {"kvtier": float("inf"), "vllm": float("inf")}
+    fns = {"kvtier": kvtier, "vllm": vllm, **{f"sparse{lv}": sparse(lv) for lv in levels}}
+    best = dict.fromkeys(fns, float("inf"))
     for _ in range(rounds):
-        for name, f in (("kvtier", kvtier), ("vllm", vllm)):
+        for name, f in fns.items():
             for _ in range(3):
                 f()
             t = time.perf_counter()
             for _ in range(iters):
                 f()
             best[name] = min(best[name], (time.perf_counter() - t) / iters * 1e3)
-    return {"kvtier_ms": best["kvtier"], "vllm_ms": best["vllm"], "ratio": best["kvtier"] / best["vllm"], "isa": isa}
+    res = {"kvtier_ms": best["kvtier"], "vllm_ms": best["vllm"], "ratio": best["kvtier"] / best["vllm"], "isa": isa}
+    for lv in levels:
+        res[f"sparse{lv}_ms"] = best[f"sparse{lv}"]
+        res[f"sparse{lv}_valued_share"] = (counts[lv][0] / counts[lv][1]).item()
+    return res
 
 
 def main() -> None:
@@ -89,15 +105,21 @@ def main() -> None:
     ap.add_argument("--reqs", default="1,48")
     ap.add_argument("--length", type=int, default=2049)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sparse", default="", help="comma-separated PagePolicy.sparse_mass levels to time too")
     args = ap.parse_args()
+    levels = tuple(float(x) for x in args.sparse.split(",") if x)
     results = []
     for th in map(int, args.threads.split(",")):
         torch.set_num_threads(th)
         for reqs in map(int, args.reqs.split(",")):
-            res = {"threads": th, "reqs": reqs, **case(reqs, args.length, 200 // reqs + 5, args.rounds)}
+            res = {"threads": th, "reqs": reqs, **case(reqs, args.length, 200 // reqs + 5, args.rounds, levels)}
+            sp = "".join(
+                f", sparse {lv}: {res[f'sparse{lv}_ms']:.3f} ms ({res[f'sparse{lv}_valued_share']:.0%} valued)"
+                for lv in levels
+            )
             print(
                 f"threads={th} reqs={reqs}: kvtier {res['kvtier_ms']:.3f} ms, vLLM bf16 {res['vllm_ms']:.3f} ms,"
-                f" kvtier/vLLM {res['ratio']:.2f}",
+                f" kvtier/vLLM {res['ratio']:.2f}{sp}",
                 flush=True,
             )
             results.append(res)

@@ -13,11 +13,14 @@ Parts (``--parts``):
   per token (all layers);
 - ``quality``: teacher-forced NLL of each book's next 64 tokens after a 3k prefix, and
   ``prompt_logprobs`` perplexity of 4k windows (all positions and the last half), both with
-  chunked prefill of ``--chunk`` tokens so later chunks attend the pages of earlier ones;
+  chunked prefill of ``--chunk`` tokens so later chunks attend the pages of earlier ones
+  (``--chunk 4``: every position through the decode kernel, sparse decode included; ``--ppl-len 0``
+  skips the perplexity);
 - ``speed``: one request of a 2k prompt + 64 new tokens, wall time (median of ``--reps``);
 - ``load``: ``--requests`` requests of a 2k prompt + 128 new tokens submitted at once: wall time,
   total (prompt + new) tokens/s, the most requests running at once, and the seconds spent in steps
-  that carry prompt tokens vs steps of decode rows only (``execute_model`` timed).
+  that carry prompt tokens vs steps of decode rows only (``execute_model`` timed); with a sparse
+  page policy, the share of packed tokens whose values its decode steps read.
 
 Prints ratios to ``vllm``; ends with one JSON line. Time alone on the machine:
 ``flock /tmp/kvtier-bench.lock python benchmarks/vllm_serve.py --parts speed,load``.
@@ -105,6 +108,8 @@ def quality(llm, tok, args) -> dict:  # noqa: ANN001
     for i, ids in enumerate(book_ids(tok, 2, max(args.prefix + 64, args.ppl_len))):
         nll = prompt_nll(llm, ids[: args.prefix + 64])
         out[f"nll64_{BOOKS[i]}"] = statistics.fmean(nll[-64:])
+        if not args.ppl_len:  # --ppl-len 0: the next-64 NLL only
+            continue
         nll = prompt_nll(llm, ids[: args.ppl_len])
         out[f"ppl_{BOOKS[i]}"] = math.exp(statistics.fmean(nll))
         out[f"ppl_last_half_{BOOKS[i]}"] = math.exp(statistics.fmean(nll[len(nll) // 2 :]))
@@ -161,6 +166,7 @@ def load(llm, tok, args, name: str) -> dict:  # noqa: ANN001
 
     executor.execute_model = execute_model
     sp = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True, detokenize=False)
+    counts0 = sparse_counts(name)
     t = time.perf_counter()
     try:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
@@ -168,6 +174,7 @@ def load(llm, tok, args, name: str) -> dict:  # noqa: ANN001
         sched.schedule = orig
         executor.execute_model = run_step
     wall = time.perf_counter() - t
+    valued, scored = (a - b for a, b in zip(sparse_counts(name), counts0))
     new = sum(len(o.outputs[0].token_ids) for o in outs)
     side = 0
     if name not in ("vllm", "fp8"):
@@ -182,7 +189,17 @@ def load(llm, tok, args, name: str) -> dict:  # noqa: ANN001
         "max_running": seen["running"],
         "steps": seen["steps"],
         **phase,
+        **({"sparse_valued_share": valued / scored} if scored else {}),
     }
+
+
+def sparse_counts(name: str) -> tuple[int, int]:
+    """(tokens valued, tokens scored) so far by kvtier's sparse decode in this process."""
+    if name in ("vllm", "fp8"):
+        return (0, 0)
+    from kvtier.vllm.backend import sparse_counts as counts
+
+    return counts()
 
 
 def main() -> None:
@@ -210,8 +227,13 @@ def main() -> None:
     for name in args.configs.split(","):
         res: dict = {}
         if "quality" in parts:
-            llm = build(name, model, max_num_batched_tokens=args.chunk, enable_prefix_caching=False)
+            seqs = min(args.max_num_seqs, args.chunk)  # vLLM: max_num_batched_tokens >= max_num_seqs
+            llm = build(name, model, max_num_batched_tokens=args.chunk, enable_prefix_caching=False, max_num_seqs=seqs)
+            counts0 = sparse_counts(name)
             res.update(capacity(llm), **quality(llm, tok, args))
+            valued, scored = (a - b for a, b in zip(sparse_counts(name), counts0))
+            if scored:
+                res["quality_sparse_valued_share"] = valued / scored
             close(llm)
         if {"capacity", "speed", "load"} & set(parts):
             llm = build(name, model, max_num_seqs=args.max_num_seqs)

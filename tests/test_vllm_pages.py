@@ -41,11 +41,23 @@ H, HQ, D = 3, 9, 64
         {"value_group": 24},
         {"side_slots": 0},
         {"bits": True},
+        {"sparse_mass": 1.0},
+        {"sparse_mass": 0.12345},
+        {"sparse_mass": True},
+        {"sparse_mass": 0.9, "bits": None},
+        {"local_window": -1},
     ],
 )
 def test_policy_rejects(kwargs: dict) -> None:
     with pytest.raises(ValueError, match="PagePolicy"):
         PagePolicy(**kwargs)
+
+
+def test_policy_name_round_trip() -> None:
+    from kvtier.vllm.pages import parse_policy_name, policy_name
+
+    for p in [*(v[0] for v in PAGE_POLICIES.values()), PagePolicy(sparse_mass=0.9999, local_window=0)]:
+        assert parse_policy_name(policy_name(p)) == p
 
 
 def test_presets_and_page_bytes() -> None:
@@ -86,8 +98,8 @@ def test_round_trip_bound(policy: PagePolicy) -> None:
 class FakeEngine:
     """Block ids, side buffer, pages and the reference K/V of each request."""
 
-    def __init__(self, policy: PagePolicy, slots: int = 8, blocks: int = 64, attend=attend_layer):  # noqa: ANN001
-        self.attend = attend
+    def __init__(self, policy: PagePolicy, slots: int = 8, blocks: int = 64, attend=attend_layer, oracle=None):  # noqa: ANN001
+        self.attend, self.oracle = attend, oracle  # oracle: a torch path the step is compared with instead
         # the fused paths pack in C++ too (4-bit pages), the torch path in torch
         self.update = update_layer if attend is attend_layer or policy.bits != 4 else update_layer_fused
         self.fmt = PageFormat(policy, H, D, torch.bfloat16)
@@ -132,6 +144,8 @@ class FakeEngine:
         packed_before = set(self.side.packed)
         plan = plan_step(self.side, qsl, lens, bt, qsl[-1])
         side = self.side.layer("layer0")
+        if self.oracle is not None:
+            oracle = self.oracle(self.fmt, plan, self.pages, side, q_all, k_new, v_new, D**-0.5).double()
         bf16_out = getattr(self.attend, "bf16_out", False)
         if bf16_out:  # written into a bf16 output, as into vLLM's
             out = torch.full((qsl[-1], HQ, D), float("nan"), dtype=torch.bfloat16)
@@ -140,7 +154,10 @@ class FakeEngine:
             out = self.attend(self.fmt, plan, self.pages, side, q_all, k_new, v_new, D**-0.5)
         for i, name in enumerate(names):
             c, q = self.done[name], sched[name]
-            ref = self.reference(name, q_all[qsl[i] : qsl[i + 1]], c, q, packed_before)
+            if self.oracle is not None:
+                ref = oracle[qsl[i] : qsl[i + 1]]
+            else:
+                ref = self.reference(name, q_all[qsl[i] : qsl[i + 1]], c, q, packed_before)
             err = (out[qsl[i] : qsl[i + 1]].double() - ref).abs()
             tol = 2e-5 + (ref.abs() * 2**-8 if bf16_out else 0)  # bf16 output: its rounding on top
             assert (err <= tol).all(), (name, c, q, err.max().item())
@@ -325,3 +342,103 @@ def test_decode_rows_is_page_decode(policy: PagePolicy, dtype: torch.dtype) -> N
         kr, vr = fmt.decode(pages[[3, 0, 4]], out_dtype)
         assert kd.dtype == out_dtype and torch.equal(kd, kr.transpose(1, 2).reshape(-1, H, D))
         assert torch.equal(vd, vr.transpose(1, 2).reshape(-1, H, D))
+
+
+SPARSE = [
+    PagePolicy(block_size=32, sparse_mass=0.9, local_window=20),
+    PagePolicy(block_size=64, sink_tokens=2, key_group=32, sparse_mass=0.98, local_window=0),
+]
+
+
+def _sparse_steps(eng: FakeEngine) -> None:
+    """Prefill chunks (dense), decode steps of 1-4 new tokens over packed blocks (sparse), a
+    prefix-cache hit and a cached block read in part (its last token recomputed)."""
+    T = eng.T
+    eng.add("a", 6 * T + 7)
+    eng.add("b", 4 * T + 3)
+    eng.step({"a": 3 * T + 5, "b": 2 * T + 1})
+    eng.step({"a": 1, "b": 4})
+    eng.step({"a": 3, "b": 2})
+    eng.step({"a": T - 2, "b": 1})
+    eng.add("c", 3 * T + 8, share=("a", 3))
+    eng.step({"c": 1, "a": 4}, rewind={"c": 3 * T - 1})  # c: a cached block read in part
+    for _ in range(3):
+        eng.step({"a": 1, "b": 3, "c": 2})
+
+
+@_NO_KERNEL
+@pytest.mark.parametrize("attend", [attend_layer_fused, fused_bf16, fused_split])
+@pytest.mark.parametrize("policy", SPARSE)
+def test_sparse_decode_kernel_matches_torch_path(policy: PagePolicy, attend) -> None:  # noqa: ANN001
+    """Sparse decode (PagePolicy.sparse_mass) in the fused kernel = the torch path's select_packed."""
+    torch.manual_seed(5)
+    _sparse_steps(FakeEngine(policy, attend=attend, oracle=attend_layer))
+
+
+@pytest.mark.parametrize("policy", SPARSE)
+def test_sparse_decode_close_to_dense(policy: PagePolicy) -> None:
+    """The torch path with sparse decode against the float64 dense reference: the dropped tokens
+    carry at most 1 - level of a row's packed softmax mass, so each output moves by at most
+    2 (1 - level) / level of the largest value (renormalized), and it does move (tokens dropped)."""
+    torch.manual_seed(6)
+    eng = FakeEngine(policy)
+    T, level = policy.block_size, policy.sparse_mass
+    eng.add("a", 12 * T)
+    eng.step({"a": 10 * T + 3})
+    worst = 0.0
+    for n in (1, 2, 4):
+        q_rows = torch.randn(n, HQ, D).bfloat16()
+        c = eng.done["a"]
+        k_new, v_new = eng.k["a"][c : c + n], eng.v["a"][c : c + n]
+        plan = plan_step(eng.side, [0, n], [c + n], torch.tensor([eng.table["a"]]), n)
+        side = eng.side.layer("layer0")
+        out = attend_layer(eng.fmt, plan, eng.pages, side, q_rows, k_new, v_new, D**-0.5).double()
+        ref = eng.reference("a", q_rows, c, n, set(eng.side.packed))
+        bound = 2 * (1 - level) / level * eng.v["a"][: c + n].double().abs().amax()
+        err = (out - ref).abs().max().item()
+        assert err <= bound + 2e-5, (n, err, bound.item())
+        worst = max(worst, err)
+        update_layer(eng.fmt, plan, eng.pages, side, k_new, v_new)
+        eng.done["a"] += n
+    assert worst > 1e-4  # tokens were dropped: the comparison is live
+
+
+def test_select_packed_drops_at_most_the_budget() -> None:
+    torch.manual_seed(7)
+    s = torch.randn(3, 5, 700) * 3
+    s[:, :, 0] += 12  # a sink-like token
+    forced = torch.zeros(700, dtype=torch.bool)
+    forced[-40:] = True
+    for level in (0.5, 0.9, 0.98, 0.9999):
+        keep = paged.select_packed(s, level, forced)
+        w = torch.softmax(s.double(), -1)
+        dropped = (w * ~keep.unsqueeze(1)).sum(-1)
+        assert (dropped <= 1 - level + 1e-9).all() and keep[:, -40:].all() and keep[:, 0].all()
+    assert not paged.select_packed(s, 0.9, forced).all()  # something is dropped at 0.9
+    assert paged.select_packed(s, 0.9, forced).sum() <= paged.select_packed(s, 0.98, forced).sum()
+
+
+@_NO_KERNEL
+def test_sparse_decode_counts() -> None:
+    """The kernel counts the tokens it scored and valued under sparse decode (fewer valued)."""
+    torch.manual_seed(8)
+    policy = PagePolicy(block_size=32, sparse_mass=0.9)
+    eng = FakeEngine(policy, attend=attend_layer_fused)
+    eng.add("a", 10 * 32)
+    eng.step({"a": 8 * 32})
+    c = eng.done["a"]
+    plan = plan_step(eng.side, [0, 1], [c + 1], torch.tensor([eng.table["a"] + [eng.next_block]]), 1)
+    counts = torch.zeros(2, dtype=torch.long)
+    k1, v1 = eng.k["a"][c : c + 1], eng.v["a"][c : c + 1]
+    attend_layer_fused(
+        eng.fmt,
+        plan,
+        eng.pages,
+        eng.side.layer("layer0"),
+        torch.randn(1, HQ, D).bfloat16(),
+        k1,
+        v1,
+        0.125,
+        counts=counts,
+    )
+    assert counts[1] == 8 * 32 * H and 0 < counts[0] < counts[1]

@@ -76,3 +76,20 @@ def test_engine_without_kvtier_kwargs_is_refused_inside_the_registration(model_p
 
     with pytest.raises(Exception, match="kvtier"), attention_backend("default"):
         LLM(model=model_path, dtype="bfloat16", max_model_len=4608, enforce_eager=True, seed=0)
+
+
+def test_sparse_policy_reads_fewer_values_in_decode(model_path, book_ids, own):
+    """``sparse``: decode steps go through the kernel's sparse path (values of fewer packed tokens
+    read than scored) and generate; the prompt chunks stay dense."""
+    from kvtier.vllm.backend import sparse_counts
+
+    before = sparse_counts()
+    llm = build(model_path, "sparse", max_num_batched_tokens=256)
+    try:
+        greedy = generate(llm, [book_ids[:n] for n in PROMPT_LENS], 16)
+        assert [len(g[0]) for g in greedy] == [16] * len(PROMPT_LENS)
+        valued, scored = (a - b for a, b in zip(sparse_counts(), before))
+        # 15 decode steps x 30 layers x 3 KV heads over the packed blocks of the 130/300/700-token prompts
+        assert scored >= 15 * 30 * 3 * (128 + 256 + 640) and 0 < valued < scored, (valued, scored)
+    finally:
+        close_llm(llm)

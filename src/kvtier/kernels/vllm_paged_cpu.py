@@ -26,7 +26,7 @@ from . import build
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_vllm_paged_v8",
+        "kvtier_vllm_paged_v9",
         "vllm_paged_attention.cpp",
         ["vllm_paged_attend", "vllm_paged_update", "vllm_paged_decode"],
         ("-fno-math-errno",),
@@ -51,6 +51,10 @@ def attend(
     out: torch.Tensor,
     scale: float,
     layout: list[int],
+    level: float = 1.0,
+    window: int = 0,
+    max_query: int = 4,
+    counts: torch.Tensor | None = None,
 ) -> None:
     """Write into ``out [N, Hq, D]`` (fp32 or the model dtype; rows of other requests untouched)
     the attention of each request ``r``'s new tokens ``q[qs:qe]`` (``reqs[r] = qs, qe, side slot,
@@ -60,8 +64,30 @@ def attend(
     ``side[slot, :side rows]`` (``[slots, T, 2, H, D]``), then ``key, value [qs:qe]`` (``[N, H, D]``),
     causal. Rows of q / key / value / out need only be contiguous. ``layout``: H, D, T, key group,
     value group, sink tokens, page bytes, then the byte offsets of kscale, kzero, vscale, vzero,
-    sink, kcodes, vcodes (see :meth:`kvtier.vllm.pages.PageFormat.layout`)."""
-    _module().vllm_paged_attend(q, key, value, side, pages, reqs, pstart, pids, out, float(scale), layout)
+    sink, kcodes, vcodes (see :meth:`kvtier.vllm.pages.PageFormat.layout`).
+
+    ``level < 1``: sparse decode for requests of at most ``max_query`` new tokens (not split across
+    threads): every packed token is scored, values are read only for the tokens kept by
+    :func:`kvtier.vllm.paged.select_packed` (row mass ``level``, the last ``window`` tokens before the
+    new ones, the sinks), weights renormalized over them. ``counts`` (int64 ``[2]``, when given) is
+    incremented by the (tokens valued, tokens scored) of those requests, summed over KV heads."""
+    _module().vllm_paged_attend(
+        q,
+        key,
+        value,
+        side,
+        pages,
+        reqs,
+        pstart,
+        pids,
+        out,
+        float(scale),
+        layout,
+        float(level),
+        int(window),
+        int(max_query),
+        torch.empty(0, dtype=torch.long) if counts is None else counts,
+    )
 
 
 def update(

@@ -44,6 +44,14 @@ from .pages import _PREFIX, CONFIG_KEY, SELECT, PageFormat, PagePolicy, get_page
 from .prefill import PrefillPlan, VllmPrefill
 
 _SIDES: weakref.WeakSet[SideBuffer] = weakref.WeakSet()
+_IMPLS: weakref.WeakSet = weakref.WeakSet()
+
+
+def sparse_counts() -> tuple[int, int]:
+    """(tokens valued, tokens scored), summed over KV heads, layers and steps, by the sparse decode of
+    the live kvtier engines of this process (``PagePolicy.sparse_mass``; ``(0, 0)`` without it)."""
+    counts = [impl.counts for impl in _IMPLS if impl.counts is not None]
+    return tuple(int(sum(c[i] for c in counts)) for i in range(2)) if counts else (0, 0)
 
 
 def side_buffer_bytes() -> int:
@@ -142,6 +150,8 @@ class _PagedImpl(AttentionImpl):
         self.attn_type = attn_type
         self.sinks = None
         self.fmt: PageFormat | None = None
+        self.counts = torch.zeros(2, dtype=torch.long) if self.policy.sparse_mass is not None else None
+        _IMPLS.add(self)
 
     def forward(
         self,
@@ -175,7 +185,9 @@ class _PagedImpl(AttentionImpl):
         out = output[:n].view(n, self.num_heads, self.head_size)
         if self.fused:  # written straight into vLLM's output
             pre = attn_metadata.prefill
-            attend_layer_fused(self.fmt, plan, pages, side, q, k, v, self.scale, out=out, rest=pre is None)
+            attend_layer_fused(
+                self.fmt, plan, pages, side, q, k, v, self.scale, out=out, rest=pre is None, counts=self.counts
+            )
             for p in pre or ():
                 attn_metadata.prefiller.attend(self.fmt, p, pages, side, q, k, v, self.scale, out)
         else:

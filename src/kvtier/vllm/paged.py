@@ -19,7 +19,9 @@ request's pages, one SDPA call per request; the oracle every faster path is test
 (:mod:`kvtier.kernels.vllm_paged_cpu`, index tensors made once per step by :func:`kernel_index`):
 decode requests over the pages, the side buffer and the new K/V read in place, vLLM's output
 written in place; blocks packed and side rows written in C++. Prefill chunks go through the torch
-path here, or through vLLM's own kernels in the backend (:mod:`.prefill`).
+path here, or through vLLM's own kernels in the backend (:mod:`.prefill`). With
+``PagePolicy.sparse_mass``, decode requests (at most ``SPARSE_MAX_QUERY`` new tokens) read the values
+of only the packed tokens :func:`select_packed` keeps (both paths).
 May import torch, :mod:`.pages` and (lazily) :mod:`kvtier.kernels.vllm_paged_cpu`; never vLLM.
 """
 
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import KVTierError
-from .pages import PageFormat
+from .pages import SPARSE_MAX_QUERY, PageFormat
 
 
 class SideSlotLost(KVTierError):
@@ -236,6 +238,21 @@ def attend_layer(
     return out
 
 
+def _packed_kv(fmt: PageFormat, req: RequestPlan, pages: torch.Tensor, H: int, D: int):  # noqa: ANN202
+    """Lists of fp32 ``[H, n, D]`` keys and values a request reads from packed pages: its whole
+    packed blocks, then the first ``head_rows`` of a cached block read in part."""
+    ks, vs = [], []
+    if req.packed:
+        k, v = fmt.decode(pages[torch.tensor(req.packed)])
+        ks.append(k.transpose(0, 1).reshape(H, -1, D))
+        vs.append(v.transpose(0, 1).reshape(H, -1, D))
+    if req.head_rows:
+        k, v = fmt.decode(pages[req.head_block : req.head_block + 1])
+        ks.append(k[0, :, : req.head_rows])
+        vs.append(v[0, :, : req.head_rows])
+    return ks, vs
+
+
 def _attend_request(
     fmt: PageFormat,
     req: RequestPlan,
@@ -249,15 +266,9 @@ def _attend_request(
     """``[q, Hq, D]`` fp32: one request's new tokens over its decoded pages and exact rows (SDPA)."""
     H, D = key.shape[1:]
     Hq = query.shape[1]
-    ks, vs = [], []
-    if req.packed:
-        k, v = fmt.decode(pages[torch.tensor(req.packed)])
-        ks.append(k.transpose(0, 1).reshape(H, -1, D))
-        vs.append(v.transpose(0, 1).reshape(H, -1, D))
-    if req.head_rows:
-        k, v = fmt.decode(pages[req.head_block : req.head_block + 1])
-        ks.append(k[0, :, : req.head_rows])
-        vs.append(v[0, :, : req.head_rows])
+    if fmt.policy.sparse_mass is not None and req.qe - req.qs <= SPARSE_MAX_QUERY and (req.packed or req.head_rows):
+        return _attend_request_sparse(fmt, req, pages, side, query, key, value, scale)
+    ks, vs = _packed_kv(fmt, req, pages, H, D)
     if req.side_rows:
         rows = side[req.side_slot, : req.side_rows].float()  # [n, 2, H, D]
         ks.append(rows[:, 0].transpose(0, 1))
@@ -277,6 +288,67 @@ def _attend_request(
     m = torch.maximum(l1, l2)
     w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
     o = (o1 * w1.unsqueeze(-1) + o2 * w2.unsqueeze(-1)) / (w1 + w2).unsqueeze(-1)
+    return o.transpose(0, 1)
+
+
+def select_packed(scores: torch.Tensor, level: float, forced: torch.Tensor) -> torch.Tensor:
+    """bool ``[H, P]``: the packed tokens sparse decode reads the values of (``PagePolicy.sparse_mass``).
+
+    ``scores [H, R, P]`` fp32 of the ``R`` query rows of each KV head over its ``P`` packed tokens.
+    Per row, weights ``e = exp(s - max)`` fall in factor-of-two buckets ``k = min(63, -floor(log2 e))``;
+    buckets are dropped from the lightest up while their mass stays within ``1 - level`` of the row's
+    sum (bucket 0, the row's largest weight, never). A token is kept when some row of its head keeps
+    it, or ``forced [P]`` (local window, sinks). The kernel does the same in fp32."""
+    e = torch.exp(scores - scores.amax(-1, keepdim=True))
+    _, ex = torch.frexp(e)
+    k = torch.where(e > 0, (1 - ex).clamp(0, 63), 63).long()
+    mass = torch.zeros(*e.shape[:-1], 64, dtype=torch.float64).scatter_add_(-1, k, e.double())
+    tail = mass.flip(-1).cumsum(-1).flip(-1)  # tail[k]: mass of buckets k..63
+    budget = (1 - level) * e.double().sum(-1, keepdim=True)
+    drop_from = 64 - (tail[..., 1:] <= budget).sum(-1, keepdim=True)  # a suffix of buckets 1..63
+    thr = torch.where(drop_from <= 63, torch.pow(2.0, (1 - drop_from).double()), 0.0).float()
+    return (e >= thr).any(1) | forced
+
+
+def _attend_request_sparse(
+    fmt: PageFormat,
+    req: RequestPlan,
+    pages: torch.Tensor,
+    side: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``[q, Hq, D]`` fp32: :func:`_attend_request` with sparse decode over the packed tokens
+    (:func:`select_packed`; kept weights renormalized), the exact rows dense."""
+    H, D = key.shape[1:]
+    Hq = query.shape[1]
+    ks, vs = _packed_kv(fmt, req, pages, H, D)
+    k, v = torch.cat(ks, 1), torch.cat(vs, 1)  # [H, P, D]
+    P = k.shape[1]
+    q = query[req.qs : req.qe].float().transpose(0, 1).contiguous()  # [Hq, n, D]
+    n, G = q.shape[1], Hq // H
+    s = (q.reshape(H, G * n, D) * scale) @ k.transpose(1, 2)  # [H, G n, P]
+    pos = torch.arange(P)
+    forced = (pos >= P + req.side_rows - fmt.policy.local_window) | (pos < fmt.policy.sink_tokens)
+    keep = select_packed(s, fmt.policy.sparse_mass, forced)  # [H, P]
+    m = s.amax(-1)
+    e = torch.exp(s - m.unsqueeze(-1)) * keep.unsqueeze(1)
+    l = e.sum(-1)  # noqa: E741
+    parts = [((e @ v) / l.unsqueeze(-1)).reshape(Hq, n, D), (m + l.log()).reshape(Hq, n)]
+    outs = [tuple(parts)]
+    if req.side_rows:
+        rows = side[req.side_slot, : req.side_rows].float()  # [r, 2, H, D]
+        ko, vo = rows[:, 0].transpose(0, 1).contiguous(), rows[:, 1].transpose(0, 1).contiguous()
+        old = _flash(q.view(H, G * n, D), ko, vo, scale, causal=False)
+        outs.append((old[0].reshape(Hq, n, D), old[1].reshape(Hq, n)))
+    kn = key[req.qs : req.qe].float().transpose(0, 1).repeat_interleave(G, 0)  # [Hq, n, D]
+    vn = value[req.qs : req.qe].float().transpose(0, 1).repeat_interleave(G, 0)
+    outs.append(_flash(q, kn, vn, scale, causal=n > 1))
+    lse = torch.stack([x[1] for x in outs])  # [parts, Hq, n]
+    w = torch.softmax(lse, 0)
+    o = sum(w[i].unsqueeze(-1) * outs[i][0] for i in range(len(outs)))
     return o.transpose(0, 1)
 
 
@@ -348,20 +420,37 @@ def attend_layer_fused(
     scale: float,
     out: torch.Tensor | None = None,
     rest: bool = True,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`attend_layer` through the fused CPU kernel (same arguments, same result to fp32 rounding),
     written into ``out [N, Hq, D]`` when given (fp32 or the model dtype: vLLM's output rows) and
     returned. ``query, key, value`` are read in place (rows contiguous), the side buffer too.
     ``rest=False`` leaves the rows of the requests the kernel does not take (prefill chunks, see
-    :func:`kernel_index`) to the caller; otherwise they go through the torch path."""
+    :func:`kernel_index`) to the caller; otherwise they go through the torch path. ``counts``
+    (int64 ``[2]``): incremented by the tokens valued and scored under sparse decode."""
     from ..kernels import vllm_paged_cpu
 
     idx = kernel_index(plan)
     if out is None:
         out = torch.empty(query.shape, dtype=torch.float32)
     if idx["reqs"].shape[0]:
+        p = fmt.policy
         vllm_paged_cpu.attend(
-            query, key, value, side, pages, idx["reqs"], idx["pstart"], idx["pids"], out, scale, fmt.layout()
+            query,
+            key,
+            value,
+            side,
+            pages,
+            idx["reqs"],
+            idx["pstart"],
+            idx["pids"],
+            out,
+            scale,
+            fmt.layout(),
+            1.0 if p.sparse_mass is None else p.sparse_mass,
+            p.local_window,
+            SPARSE_MAX_QUERY,
+            counts,
         )
     for req in idx["rest"] if rest else ():
         out[req.qs : req.qe] = _attend_request(fmt, req, pages, side, query, key, value, scale)

@@ -51,6 +51,12 @@ class PagePolicy:
         request), which is also the most requests an engine runs at once (``max_num_seqs``);
         ``None``: vLLM's ``max_num_seqs``. It grows on demand up to this many (each slot holds one
         block of every layer exact: 2.9 MB for SmolLM2-135M in bf16).
+    sparse_mass : sparse decode (``SparsePolicy(select="tokens", method="mass")`` of the transformers
+        cache): a request of at most :data:`SPARSE_MAX_QUERY` new tokens scores every packed token
+        and reads the values of only the smallest set covering this share of each row's packed
+        softmax mass (by factor-of-two weight buckets; kept weights renormalized), plus the last
+        ``local_window`` tokens and the sinks. ``None``: dense. Up to 4 decimals (it names the backend).
+    local_window : tokens before the new ones always attended when ``sparse_mass`` is set.
     """
 
     bits: int | None = 4
@@ -59,6 +65,8 @@ class PagePolicy:
     key_group: int | None = None
     value_group: int = 64
     side_slots: int | None = 64
+    sparse_mass: float | None = None
+    local_window: int = 64
 
     def __post_init__(self) -> None:
         if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in PAGE_BITS):
@@ -78,11 +86,31 @@ class PagePolicy:
         n = self.side_slots
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"PagePolicy.side_slots={n!r} is not allowed: expected None or an int >= 1")
+        m = self.sparse_mass
+        if m is not None and (
+            isinstance(m, bool)
+            or not isinstance(m, (int, float))
+            or not 0 < m < 1
+            or abs(round(m * 10_000) - m * 10_000) > 1e-6
+        ):
+            raise ValueError(
+                f"PagePolicy.sparse_mass={m!r} is not allowed: "
+                "expected None or a number in (0, 1) with at most 4 decimals"
+            )
+        if m is not None and self.bits is None:
+            raise ValueError("PagePolicy.sparse_mass is not allowed with bits=None: exact pages attend densely")
+        w = self.local_window
+        if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w <= 1 << 20:
+            raise ValueError(f"PagePolicy.local_window={w!r} is not allowed: expected an int in 0..2**20")
 
     @property
     def packed(self) -> bool:
         return self.bits is not None
 
+
+#: new tokens per request up to which ``PagePolicy.sparse_mass`` applies (decode steps; longer chunks
+#: attend densely, as ``SparsePolicy.max_query_tokens`` in the transformers cache)
+SPARSE_MAX_QUERY = 4
 
 #: name -> (policy, one-line description)
 PAGE_POLICIES: dict[str, tuple[PagePolicy, str]] = {
@@ -94,6 +122,11 @@ PAGE_POLICIES: dict[str, tuple[PagePolicy, str]] = {
         PagePolicy(),
         "4-bit pages (keys per channel over the 128-token block, values per token): 3.66x the tokens of bf16; "
         "measured +0.018 / +0.007 nats on the next 64 tokens after 3k, +0.57 / +0.98 % 4k perplexity (2 books)",
+    ),
+    "sparse": (
+        PagePolicy(sparse_mass=0.98),
+        "default's pages; decode steps read the values of only the tokens covering 98 % of each row's packed "
+        "softmax mass plus the last 64 (sparse decode)",
     ),
 }
 
@@ -118,8 +151,10 @@ def policy_name(policy: PagePolicy) -> str:
     """The class name of ``policy``'s backend (every field in it, so any process can rebuild it)."""
     p = policy
     bits = 0 if p.bits is None else p.bits
+    mass = round(p.sparse_mass * 10_000) if p.sparse_mass is not None else 0
     return (
         f"{_PREFIX}b{bits}_t{p.block_size}_s{p.sink_tokens}_k{p.key_group or 0}_v{p.value_group}_n{p.side_slots or 0}"
+        f"_m{mass}_w{p.local_window}"
     )
 
 
@@ -135,6 +170,8 @@ def parse_policy_name(name: str) -> PagePolicy:
         key_group=fields["k"] or None,
         value_group=fields["v"],
         side_slots=fields["n"] or None,
+        sparse_mass=fields["m"] / 10_000 if fields.get("m") else None,
+        local_window=fields.get("w", 64),
     )
 
 

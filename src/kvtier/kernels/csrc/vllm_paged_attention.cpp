@@ -17,12 +17,16 @@
 // rows), then the exact rows (causal: query i of q sees exact row j < ne - q + i + 1). With AVX-512
 // and head_dim 64, keys are scored 16 tokens at a time (unpacked once, one transpose-and-add tree
 // for the 16 dot products of a row) and packed values are dequantized in registers and folded into
-// 4 query rows at a time. Tasks run on torch's threads (built with OpenMP: kvtier/kernels/build.py).
+// 4 query rows at a time. Sparse decode (struct Sparse, PagePolicy.sparse_mass): a request of at most
+// max_query new tokens scores all its packed tokens first, then folds the values of only the tokens
+// some row keeps (row mass rule, local window, sinks). Tasks run on torch's threads (built with
+// OpenMP: kvtier/kernels/build.py).
 // References: kvtier.vllm.paged.attend_layer and update_layer.
 #include <torch/extension.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -183,6 +187,41 @@ Layout read_layout(const std::vector<int64_t>& lay) {
                 lay[7], lay[8], lay[9], lay[10], lay[11], lay[12], lay[13]};
 }
 
+// max(init, p[0..n))
+inline float row_max(const float* p, int64_t n, float init) {
+  float mx = init;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(mx);
+  for (; t + 16 <= n; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(p + t));
+  mx = _mm512_reduce_max_ps(vm);
+#endif
+  for (; t < n; ++t) mx = std::max(mx, p[t]);
+  return mx;
+}
+
+// p[t] = exp(p[t] - mx) (0 for -inf) in place, t < n; returns their sum
+inline float exp_sum(float* p, int64_t n, float mx) {
+  float sum = 0.f;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 vs = _mm512_setzero_ps();
+  const __m512 vmx = _mm512_set1_ps(mx);
+  for (; t + 16 <= n; t += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(p + t), vmx));
+    _mm512_storeu_ps(p + t, e);
+    vs = _mm512_add_ps(vs, e);
+  }
+  sum = _mm512_reduce_add_ps(vs);
+#endif
+  for (; t < n; ++t) {
+    const float e = p[t] == -kInf ? 0.f : std::exp(p[t] - mx);
+    p[t] = e;
+    sum += e;
+  }
+  return sum;
+}
+
 struct Rows {
   int64_t R, D;
   std::vector<float> m, l, acc, p;
@@ -193,14 +232,7 @@ struct Rows {
   void softmax_block(int64_t n) {
     for (int64_t r = 0; r < R; ++r) {
       float* pr = p.data() + r * n;
-      float mx = m[r];
-      int64_t t0 = 0;
-#if defined(__AVX512F__)
-      __m512 vm = _mm512_set1_ps(mx);
-      for (; t0 + 16 <= n; t0 += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(pr + t0));
-      mx = _mm512_reduce_max_ps(vm);
-#endif
-      for (int64_t t = t0; t < n; ++t) mx = std::max(mx, pr[t]);
+      const float mx = row_max(pr, n, m[r]);
       if (mx == -kInf) {
         for (int64_t t = 0; t < n; ++t) pr[t] = 0.f;
         continue;
@@ -209,36 +241,22 @@ struct Rows {
       l[r] *= corr;
       float* a = acc.data() + r * D;
       for (int64_t d = 0; d < D; ++d) a[d] *= corr;
-      float sum = 0.f;
-      int64_t t1 = 0;
-#if defined(__AVX512F__)
-      __m512 vs = _mm512_setzero_ps();
-      const __m512 vmx = _mm512_set1_ps(mx);
-      for (; t1 + 16 <= n; t1 += 16) {
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(pr + t1), vmx));
-        _mm512_storeu_ps(pr + t1, e);
-        vs = _mm512_add_ps(vs, e);
-      }
-      sum = _mm512_reduce_add_ps(vs);
-#endif
-      for (int64_t t = t1; t < n; ++t) {
-        float e = pr[t] == -kInf ? 0.f : std::exp(pr[t] - mx);
-        pr[t] = e;
-        sum += e;
-      }
+      const float sum = exp_sum(pr, n, mx);
       l[r] += sum;
       m[r] = mx;
     }
   }
   // acc[row] += sum_t p[row * n + t] * v[t * D:] for every row (v: n rows of D floats); the
   // accumulator of 16 channels stays in a register over the tokens
-  void add_values(int64_t n, const float* v) {
+  void add_values(int64_t n, const float* v) { add_values(n, v, p.data(), n); }
+  // the same with probabilities P[row * stride + t]
+  void add_values(int64_t n, const float* v, const float* P, int64_t stride) {
 #if defined(__AVX512F__)
-    if (D == 64) return add_values_blocked<4>(n, v);
-    if (D == 128) return add_values_blocked<8>(n, v);
+    if (D == 64) return add_values_blocked<4>(n, v, P, stride);
+    if (D == 128) return add_values_blocked<8>(n, v, P, stride);
 #endif
     for (int64_t row = 0; row < R; ++row) {
-      const float* pr = p.data() + row * n;
+      const float* pr = P + row * stride;
       float* a = acc.data() + row * D;
       int64_t d0 = 0;
 #if defined(__AVX512F__)
@@ -258,7 +276,7 @@ struct Rows {
   // row made once per RB rows; RB x C independent FMA chains). Every (row, channel) still sums its
   // tokens in order from acc: the same fp32 result as the loop in add_values.
   template <int C, typename ValueRow>
-  void fold_values(int64_t n, ValueRow value) {
+  void fold_values(int64_t n, const float* P, int64_t stride, ValueRow value) {
     constexpr int RB = C <= 4 ? 4 : 2;  // RB * C <= 16 accumulators
     for (int64_t r0 = 0; r0 < R; r0 += RB) {
       const int rb = static_cast<int>(std::min<int64_t>(RB, R - r0));
@@ -268,14 +286,14 @@ struct Rows {
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c)
           x[r][c] = r < rb ? _mm512_loadu_ps(acc.data() + (r0 + r) * D + 16 * c) : _mm512_setzero_ps();
-      const float* pr = p.data() + r0 * n;
+      const float* pr = P + r0 * stride;
       for (int64_t t = 0; t < n; ++t) {
         __m512 vv[C];
         value(t, vv);
 #pragma GCC unroll 4
         for (int r = 0; r < RB; ++r) {
           if (r >= rb) break;
-          const __m512 b = _mm512_set1_ps(pr[r * n + t]);
+          const __m512 b = _mm512_set1_ps(pr[r * stride + t]);
 #pragma GCC unroll 8
           for (int c = 0; c < C; ++c) x[r][c] = _mm512_fmadd_ps(b, vv[c], x[r][c]);
         }
@@ -289,8 +307,8 @@ struct Rows {
   }
   // add_values over value rows v [n, D] already in memory
   template <int C>
-  void add_values_blocked(int64_t n, const float* v) {
-    fold_values<C>(n, [&](int64_t t, __m512* vv) {
+  void add_values_blocked(int64_t n, const float* v, const float* P, int64_t stride) {
+    fold_values<C>(n, P, stride, [&](int64_t t, __m512* vv) {
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v + t * D + 16 * c);
     });
@@ -298,19 +316,18 @@ struct Rows {
 #endif
 };
 
-// One packed block of head h read by R pre-scaled query rows qf [R, D]: its first n tokens
-// (n = T for a full block; fewer for a cached block read in part) folded into st.
+// Scores of one packed block of head h for R pre-scaled query rows qf [R, D]: p[row * stride + t]
+// = qf[row] . key(t) for its first n tokens (n = T for a full block; fewer for a cached block read
+// in part).
 template <typename scalar_t>
-void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, const float* qf, Rows& st,
-                 std::vector<float>& qsc, std::vector<float>& qz, std::vector<float>& kf, std::vector<float>& vf) {
-  const int64_t T = L.T, D = L.D, R = st.R, nkg = T / L.kg, nvg = D / L.vg, cb = D / 2;
+void score_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, const float* qf, int64_t R, float* p,
+                int64_t stride, std::vector<float>& qsc, std::vector<float>& qz, std::vector<float>& kf,
+                std::vector<float>& vf) {
+  const int64_t T = L.T, D = L.D, nkg = T / L.kg, cb = D / 2;
   const uint16_t* ks = reinterpret_cast<const uint16_t*>(page + L.kscale) + h * nkg * D;
   const uint16_t* kz = reinterpret_cast<const uint16_t*>(page + L.kzero) + h * nkg * D;
-  const uint16_t* vs = reinterpret_cast<const uint16_t*>(page + L.vscale) + h * T * nvg;
-  const uint16_t* vz = reinterpret_cast<const uint16_t*>(page + L.vzero) + h * T * nvg;
   const scalar_t* sk = reinterpret_cast<const scalar_t*>(page + L.sink) + h * L.s * 2 * D;
   const uint8_t* kc = page + L.kcodes + h * T * cb;
-  const uint8_t* vc = page + L.vcodes + h * T * cb;
   for (int64_t t0 = 0; t0 < n; t0 += L.kg) {
     const int64_t g = t0 / L.kg, t1 = std::min(n, t0 + L.kg);
     halves_to_floats(ks + g * D, kf.data(), D);
@@ -332,7 +349,7 @@ void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, con
     if (D == 64) {  // 16 tokens at a time on bf16 dot products (exact codes, q * s as hi + lo)
       for (; t + 16 <= t1; t += 16) {
         if (t < L.s) break;  // a sink among them: one at a time below
-        score16_codes_d64(kc + t * cb, qsc.data(), R, qz.data(), st.p.data(), n, t);
+        score16_codes_d64(kc + t * cb, qsc.data(), R, qz.data(), p, stride, t);
       }
     }
 #endif
@@ -349,7 +366,7 @@ void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, con
           _mm512_store_ps(kb + i * 64 + 32, c2);
           _mm512_store_ps(kb + i * 64 + 48, d2);
         }
-        score16_d64(kb, qsc.data(), R, qz.data(), st.p.data(), n, t);
+        score16_d64(kb, qsc.data(), R, qz.data(), p, stride, t);
       }
     }
 #endif
@@ -361,7 +378,7 @@ void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, con
           float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
           for (int64_t d = 0; d < D; ++d) acc += qr[d] * kf[d];
-          st.p[row * n + t] = acc;
+          p[row * stride + t] = acc;
         }
         continue;
       }
@@ -374,7 +391,7 @@ void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, con
           const float* qq = qsc.data() + row * D;
           __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qq), kv[0]);
           for (int64_t j = 1; j < D / 16; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qq + 16 * j), kv[j], acc);
-          st.p[row * n + t] = _mm512_reduce_add_ps(acc) - qz[row];
+          p[row * stride + t] = _mm512_reduce_add_ps(acc) - qz[row];
         }
         continue;
       }
@@ -388,11 +405,23 @@ void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, con
         float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
         for (int64_t d = 0; d < D; ++d) acc += qq[d] * kf[d];
-        st.p[row * n + t] = acc - qz[row];
+        p[row * stride + t] = acc - qz[row];
       }
     }
   }
-  st.softmax_block(n);
+}
+
+// Values of tokens idx[0..nk) (ascending, < n) of one packed block of head h folded into st, with
+// probabilities P[row * stride + j] (already rescaled to st's running max).
+template <typename scalar_t>
+void fold_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, const int32_t* idx, int64_t nk,
+               const float* P, int64_t stride, Rows& st, std::vector<float>& vf) {
+  const int64_t T = L.T, D = L.D, nvg = D / L.vg, cb = D / 2;
+  const uint16_t* vs = reinterpret_cast<const uint16_t*>(page + L.vscale) + h * T * nvg;
+  const uint16_t* vz = reinterpret_cast<const uint16_t*>(page + L.vzero) + h * T * nvg;
+  const scalar_t* sk = reinterpret_cast<const scalar_t*>(page + L.sink) + h * L.s * 2 * D;
+  const uint8_t* vc = page + L.vcodes + h * T * cb;
+  if (nk == 0) return;
   int64_t vgroup[64];  // value group of each 16 channels (D <= 1024)
   for (int64_t j = 0; j < D / 16 && j < 64; ++j) vgroup[j] = (16 * j) / L.vg;
 #if defined(__AVX512F__)
@@ -402,7 +431,8 @@ void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, con
     float* vzf = vf.data() + T * nvg;
     halves_to_floats(vs, vsf, n * nvg);
     halves_to_floats(vz, vzf, n * nvg);
-    st.fold_values<4>(n, [&](int64_t t, __m512* v) {
+    st.fold_values<4>(nk, P, stride, [&](int64_t j, __m512* v) {
+      const int64_t t = idx[j];
       if (t < L.s) {
         load_row(sk + t * 2 * D + D, sinkv, D);
         for (int c = 0; c < 4; ++c) v[c] = _mm512_load_ps(sinkv + 16 * c);
@@ -421,8 +451,9 @@ void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, con
     return;
   }
 #endif
-  for (int64_t t = 0; t < n; ++t) {  // dequantized values of the block: vf [n, D]
-    float* vt = vf.data() + t * D;
+  for (int64_t j = 0; j < nk; ++j) {  // dequantized values of the tokens: vf [nk, D]
+    const int64_t t = idx[j];
+    float* vt = vf.data() + j * D;
     if (t < L.s) {
       load_row(sk + t * 2 * D + D, vt, D);
       continue;
@@ -453,13 +484,120 @@ void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, con
       for (int64_t d = gg * L.vg; d < (gg + 1) * L.vg; ++d) vt[d] = (vt[d] - z) * s;
     }
   }
-  st.add_values(n, vf.data());
+  st.add_values(nk, vf.data(), P, stride);
+}
+
+// One packed block of head h read by R pre-scaled query rows qf [R, D], dense: its first n tokens
+// folded into st (idx: 0, 1, ..., T - 1).
+template <typename scalar_t>
+void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, const float* qf, Rows& st,
+                 const int32_t* idx, std::vector<float>& qsc, std::vector<float>& qz, std::vector<float>& kf,
+                 std::vector<float>& vf) {
+  score_page<scalar_t>(L, page, h, n, qf, st.R, st.p.data(), n, qsc, qz, kf, vf);
+  st.softmax_block(n);
+  fold_page<scalar_t>(L, page, h, n, idx, n, st.p.data(), n, st, vf);
+}
+
+// Sparse decode (kvtier.policy.SparsePolicy's select="tokens", method="mass", in
+// kvtier.vllm.paged._select_reference): rows of a request with at most max_query new tokens score
+// every packed token, then fold the values of only the tokens some row needs: the smallest set of
+// factor-of-two weight buckets (relative to the row's largest packed score) whose complement holds
+// at most 1 - level of the row's packed softmax mass, plus the last `window` tokens before the new
+// ones and the sinks. The kept weights are renormalized (the row's sum is over kept tokens only).
+struct Sparse {
+  double level;  // 1: dense
+  int64_t window, max_query;
+  bool applies(int64_t qn) const { return level < 1.0 && qn <= max_query; }
+};
+
+// Row of n packed scores s: replaced by e = exp(s - M) (M its max, returned); thr: the weight at
+// and above which the row keeps a token (0: every token). Buckets k = min(63, -floor(log2 e)) are
+// dropped from the lightest up while their mass stays within (1 - level) of the row's sum: the
+// smallest d in 1..64 whose tail f(d) = sum of e < 2^(1 - d) is within budget (f falls with d: a
+// binary search of masked sums), keeping e >= 2^(1 - d).
+inline float select_row(float* s, int64_t n, double level, float& thr) {
+  const float M = row_max(s, n, -kInf), sum = exp_sum(s, n, M);
+  auto tail = [&](float below) {  // sum of e < below
+    float acc = 0.f;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 b = _mm512_set1_ps(below);
+    __m512 va = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+      const __m512 e = _mm512_loadu_ps(s + i);
+      va = _mm512_mask_add_ps(va, _mm512_cmp_ps_mask(e, b, _CMP_LT_OQ), va, e);
+    }
+    acc = _mm512_reduce_add_ps(va);
+#endif
+    for (; i < n; ++i) acc += s[i] < below ? s[i] : 0.f;
+    return acc;
+  };
+  const float budget = static_cast<float>((1.0 - level) * sum);
+  int lo = 1, hi = 64;  // f(64) = 0: nothing dropped
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (tail(std::ldexp(1.f, 1 - mid)) <= budget)
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  thr = lo <= 63 ? std::ldexp(1.f, 1 - lo) : 0.f;
+  return M;
+}
+
+// Tokens of one page (n, starting at packed position base) that the rows keep: kept[0..nk) and each
+// row's weights compacted into P[row * PS + j]; e: the rows' weights (row stride ntot, page at base).
+// Forced: positions >= from, and < sinks. Returns nk; adds the kept weights to l. kept and each row
+// of P have 16 entries of slack past n: lanes are compressed in registers and stored whole (a
+// compressing store to memory is microcoded on some CPUs).
+inline int64_t keep_tokens(const float* e, int64_t ntot, int64_t base, int64_t n, int64_t R, const float* thr,
+                           int64_t from, int64_t sinks, int32_t* kept, float* P, int64_t PS, float* l) {
+  int64_t nk = 0, t = 0;
+#if defined(__AVX512F__)
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (; t + 16 <= n; t += 16) {
+    const __m512i pos = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(base + t)));
+    __mmask16 m = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(std::min<int64_t>(from, 1 << 30))));
+    m |= _mm512_cmplt_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(sinks)));
+    for (int64_t row = 0; row < R; ++row)
+      m |= _mm512_cmp_ps_mask(_mm512_loadu_ps(e + row * ntot + base + t), _mm512_set1_ps(thr[row]), _CMP_GE_OQ);
+    if (!m) continue;
+    const __m512i local = _mm512_sub_epi32(pos, _mm512_set1_epi32(static_cast<int32_t>(base)));
+    _mm512_storeu_si512(kept + nk, _mm512_maskz_compress_epi32(m, local));
+    for (int64_t row = 0; row < R; ++row)
+      _mm512_storeu_ps(P + row * PS + nk, _mm512_maskz_compress_ps(m, _mm512_loadu_ps(e + row * ntot + base + t)));
+    nk += __builtin_popcount(m);
+  }
+#endif
+  for (; t < n; ++t) {
+    const int64_t pos = base + t;
+    bool keep = pos >= from || pos < sinks;
+    for (int64_t row = 0; row < R && !keep; ++row) keep = e[row * ntot + pos] >= thr[row];
+    if (!keep) continue;
+    for (int64_t row = 0; row < R; ++row) P[row * PS + nk] = e[row * ntot + pos];
+    kept[nk++] = static_cast<int32_t>(t);
+  }
+  for (int64_t row = 0; row < R; ++row) {
+    const float* pr = P + row * PS;
+    float acc = 0.f;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    __m512 va = _mm512_setzero_ps();
+    for (; j + 16 <= nk; j += 16) va = _mm512_add_ps(va, _mm512_loadu_ps(pr + j));
+    if (j < nk) va = _mm512_add_ps(va, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (nk - j)) - 1), pr + j));
+    acc = _mm512_reduce_add_ps(va);
+    j = nk;
+#endif
+    for (; j < nk; ++j) acc += pr[j];
+    l[row] += acc;
+  }
+  return nk;
 }
 
 template <typename scalar_t, typename out_t>
 void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Tensor value, torch::Tensor side,
                  torch::Tensor pages, torch::Tensor reqs, torch::Tensor pstart, torch::Tensor pids, torch::Tensor out,
-                 double scale) {
+                 double scale, const Sparse& sel, int64_t* counts) {
   const int64_t Hq = q.size(1), H = L.H, D = L.D, T = L.T, G = Hq / H;
   const int64_t nreq = reqs.size(0);
   const scalar_t* qp = q.data_ptr<scalar_t>();
@@ -479,11 +617,14 @@ void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Ten
   // Tasks: (request, kv head, split of its packed blocks). With fewer (request, head) pairs than
   // twice the threads, a request's blocks are split so every thread has work; each split keeps its
   // own softmax state (the last one also takes the exact rows) and the splits merge at the end.
+  // A request with sparse selection is never split: its selection reads every packed score.
   const int64_t threads = at::get_num_threads();
   const int64_t want = nreq * H >= 2 * threads ? 1 : (2 * threads + nreq * H - 1) / (nreq * H);
   std::vector<int64_t> nsplit(nreq), first(nreq + 1, 0), rows_at(nreq + 1, 0);
+  std::atomic<int64_t> valued{0}, scored{0};
   for (int64_t r = 0; r < nreq; ++r) {
-    nsplit[r] = std::max<int64_t>(1, std::min<int64_t>(want, ps[r + 1] - ps[r]));
+    const bool sparse_r = sel.applies(rq[6 * r + 1] - rq[6 * r]);
+    nsplit[r] = sparse_r ? 1 : std::max<int64_t>(1, std::min<int64_t>(want, ps[r + 1] - ps[r]));
     first[r + 1] = first[r] + nsplit[r] * H;
     rows_at[r + 1] = rows_at[r] + (nsplit[r] > 1 ? nsplit[r] * H * (rq[6 * r + 1] - rq[6 * r]) * G : 0);
   }
@@ -491,7 +632,9 @@ void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Ten
   std::vector<float> pm(rows_at[nreq]), pl(rows_at[nreq]), pacc(rows_at[nreq] * D);
 
   at::parallel_for(0, first[nreq], 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, qsc, qz, kf(D), vf(T * D);
+    std::vector<float> qf, qsc, qz, kf(D), vf(T * D), big, thr, comp;
+    std::vector<int32_t> iota(T), kept(T + 16);
+    for (int64_t t = 0; t < T; ++t) iota[t] = t;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
       const int64_t local = task - first[r], h = local % H, split = local / H, ns = nsplit[r];
@@ -508,10 +651,34 @@ void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Ten
         load_row(qp + (q0 + row / G) * qs0 + (h * G + row % G) * qs1, qf.data() + row * D, D, sc);
       // ---- this split's packed blocks, then the first rows of a cached block read in part ----
       const int64_t nb = ps[r + 1] - ps[r];
-      for (int64_t bi = ps[r] + split * nb / ns; bi < ps[r] + (split + 1) * nb / ns; ++bi)
-        attend_page<scalar_t>(L, pg + pid[bi] * L.page, h, T, qf.data(), st, qsc, qz, kf, vf);
-      if (last && hrows > 0)
-        attend_page<scalar_t>(L, pg + hblock * L.page, h, hrows, qf.data(), st, qsc, qz, kf, vf);
+      if (sel.applies(qn)) {  // sparse: every packed score first, then the values of the kept tokens
+        const int64_t ntot = nb * T + hrows, ctx = ntot + nside;
+        auto page_of = [&](int64_t j) { return pg + (j < nb ? pid[ps[r] + j] : hblock) * L.page; };
+        const int64_t npages = nb + (hrows > 0);
+        big.resize(R * std::max<int64_t>(ntot, 1));
+        thr.resize(R);
+        comp.resize(R * (T + 16));
+        for (int64_t j = 0; j < npages; ++j)
+          score_page<scalar_t>(L, page_of(j), h, j < nb ? T : hrows, qf.data(), R, big.data() + j * T, ntot, qsc, qz,
+                               kf, vf);
+        for (int64_t row = 0; row < R && ntot > 0; ++row) st.m[row] = select_row(big.data() + row * ntot, ntot, sel.level, thr[row]);
+        for (int64_t j = 0; j < npages; ++j) {
+          const int64_t n = j < nb ? T : hrows, base = j * T;
+          const int64_t nk = keep_tokens(big.data(), ntot, base, n, R, thr.data(), ctx - sel.window, L.s, kept.data(),
+                                         comp.data(), T + 16, st.l.data());
+          if (nk == n)  // every token: the weights in place
+            fold_page<scalar_t>(L, page_of(j), h, n, iota.data(), n, big.data() + base, ntot, st, vf);
+          else
+            fold_page<scalar_t>(L, page_of(j), h, n, kept.data(), nk, comp.data(), T + 16, st, vf);
+          valued += nk;
+        }
+        scored += ntot;
+      } else {
+        for (int64_t bi = ps[r] + split * nb / ns; bi < ps[r] + (split + 1) * nb / ns; ++bi)
+          attend_page<scalar_t>(L, pg + pid[bi] * L.page, h, T, qf.data(), st, iota.data(), qsc, qz, kf, vf);
+        if (last && hrows > 0)
+          attend_page<scalar_t>(L, pg + hblock * L.page, h, hrows, qf.data(), st, iota.data(), qsc, qz, kf, vf);
+      }
       // ---- exact rows: side rows, then the new tokens; causal over the last qn ----
       const int64_t ne = last ? nside + qn : 0;
       auto krow = [&](int64_t j) {
@@ -586,6 +753,10 @@ void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Ten
         store_row(acc.data(), op + (q0 + row / G) * os0 + (h * G + row % G) * os1, D, inv);
       }
     }
+  }
+  if (counts) {
+    counts[0] += valued.load();
+    counts[1] += scored.load();
   }
 }
 
@@ -759,7 +930,11 @@ void vllm_paged_attend(
     torch::Tensor pids,       // int64 [Np]
     torch::Tensor out,        // [N, Hq, D] fp32 or the model dtype (rows contiguous)
     double scale,
-    std::vector<int64_t> lay  // H, D, T, kg, vg, s, page, kscale, kzero, vscale, vzero, sink, kcodes, vcodes
+    std::vector<int64_t> lay,  // H, D, T, kg, vg, s, page, kscale, kzero, vscale, vzero, sink, kcodes, vcodes
+    double level,              // sparse decode (struct Sparse): 1 = dense
+    int64_t window,
+    int64_t max_query,
+    torch::Tensor counts       // int64 [2] += (tokens valued, tokens scored) of sparse rows, or empty
 ) {
   const Layout L = read_layout(lay);
   const auto dt = q.scalar_type();
@@ -774,11 +949,16 @@ void vllm_paged_attend(
   check_index(reqs, "reqs", 6);
   check_index(pstart, "pstart", 0);
   check_index(pids, "pids", 0);
+  TORCH_CHECK(level > 0.0 && level <= 1.0 && window >= 0 && max_query >= 1, "sparse: level in (0, 1], window >= 0");
+  TORCH_CHECK(counts.numel() == 0 || (counts.scalar_type() == torch::kInt64 && counts.numel() == 2 && counts.is_contiguous()),
+              "counts: empty or contiguous int64 [2]");
+  const Sparse sel{level, window, max_query};
+  int64_t* cnt = counts.numel() ? counts.data_ptr<int64_t>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "vllm_paged_attend", [&] {
     if (out.scalar_type() == torch::kFloat32)
-      attend_impl<scalar_t, float>(L, q, key, value, side, pages, reqs, pstart, pids, out, scale);
+      attend_impl<scalar_t, float>(L, q, key, value, side, pages, reqs, pstart, pids, out, scale, sel, cnt);
     else
-      attend_impl<scalar_t, scalar_t>(L, q, key, value, side, pages, reqs, pstart, pids, out, scale);
+      attend_impl<scalar_t, scalar_t>(L, q, key, value, side, pages, reqs, pstart, pids, out, scale, sel, cnt);
   });
 }
 
