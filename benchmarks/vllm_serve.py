@@ -22,6 +22,10 @@ Parts (``--parts``):
   that carry prompt tokens vs steps of decode rows only (``execute_model`` timed); with a sparse
   page policy, the share of packed tokens whose values its decode steps read.
 
+``--paired N`` (load only): every configuration's engine built first and kept alive, then ``N``
+rounds of one load run each, the order alternating per round (see BENCHMARKS.md for why its vLLM
+times run slower than in sequential runs).
+
 Prints ratios to ``vllm``; ends with one JSON line. Time alone on the machine:
 ``flock /tmp/kvtier-bench.lock python benchmarks/vllm_serve.py --parts speed,load``.
 """
@@ -131,12 +135,14 @@ def speed(llm, tok, args) -> dict:  # noqa: ANN001
     return {"single_s": statistics.median(times[1:])}
 
 
-def load(llm, tok, args, name: str) -> dict:  # noqa: ANN001
+def load(llm, tok, args, name: str, salt: int = 0) -> dict:  # noqa: ANN001
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     (ids,) = book_ids(tok, 1, args.prompt)
     prompts = [[(r * 7919 + 13) % 30000, *ids[1:]] for r in range(args.requests)]
+    if salt:  # another run on the same engine: other first blocks, so no prefix-cache hit
+        prompts = [[20000 + salt, *p[:-1]] for p in prompts]
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     seen = {"running": 0, "steps": 0}
     orig = sched.schedule
@@ -202,6 +208,47 @@ def sparse_counts(name: str) -> tuple[int, int]:
     return counts()
 
 
+def paired(args) -> None:  # noqa: ANN001
+    """``--paired N``: every engine alive at once, load runs interleaved, ratio to ``vllm`` per round."""
+    from transformers import AutoTokenizer
+
+    from kvtier.models import model_dir
+
+    model = str(model_dir())
+    tok = AutoTokenizer.from_pretrained(model)
+    names = args.configs.split(",")
+    engines = {name: build(name, model, max_num_seqs=args.max_num_seqs) for name in names}
+    rounds = []
+    for r in range(args.paired):
+        order = names if r % 2 == 0 else names[::-1]
+        res = {name: {**capacity(engines[name]), **load(engines[name], tok, args, name, salt=r)} for name in order}
+        if "vllm" in res:
+            for name in names:
+                res[name]["ratio_tok_s"] = res[name]["load_total_tok_s"] / res["vllm"]["load_total_tok_s"]
+        print(
+            f"round {r} ({','.join(order)}):",
+            {n: round(v.get("ratio_tok_s", 0), 4) for n, v in res.items()},
+            flush=True,
+        )
+        rounds.append({"order": order, "results": res})
+    for llm in engines.values():
+        close(llm)
+    summary = {
+        name: {
+            "ratios": [x["results"][name].get("ratio_tok_s") for x in rounds],
+            "median_ratio": statistics.median(x["results"][name].get("ratio_tok_s", 0) for x in rounds),
+        }
+        for name in names
+    }
+    for name, v in summary.items():
+        print(f"{name:>8} / vllm total tok/s per round:", v["ratios"], "median", round(v["median_ratio"], 4))
+    print(
+        json.dumps(
+            {"bench": "vllm_serve", "args": vars(args), "load": os.getloadavg(), "rounds": rounds, "summary": summary}
+        )
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", default="vllm,fp8,exact,default")
@@ -214,7 +261,16 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument(
+        "--paired",
+        type=int,
+        default=0,
+        help="load only: build every config's engine first, then N rounds of one load run each, "
+        "alternating the order per round (engines side by side in time, not minutes apart)",
+    )
     args = ap.parse_args()
+    if args.paired:
+        return paired(args)
 
     from transformers import AutoTokenizer
 
