@@ -19,7 +19,8 @@ Parts (``--parts``):
 - ``speed``: one request of a 2k prompt + 64 new tokens, wall time (median of ``--reps``);
 - ``load``: ``--requests`` requests of a 2k prompt + 128 new tokens submitted at once: wall time,
   total (prompt + new) tokens/s, the most requests running at once, and the seconds spent in steps
-  that carry prompt tokens vs steps of decode rows only (``execute_model`` timed); with a sparse
+  that carry prompt tokens vs steps of decode rows only (``execute_model`` timed), for kvtier the
+  prompt attention by kernel (its bf16 kernel vs vLLM's fp32 one over packed pages); with a sparse
   page policy, the share of packed tokens whose values its decode steps read.
 
 ``--paired N`` (load only): every configuration's engine built first and kept alive, then ``N``
@@ -171,6 +172,20 @@ def load(llm, tok, args, name: str, salt: int = 0) -> dict:  # noqa: ANN001
         return out
 
     executor.execute_model = execute_model
+    # kvtier: prompt attention by kernel (its bf16 kernel vs vLLM's fp32 one over decoded packed pages)
+    split = {"prefill_kvtier_kernel_s": 0.0, "prefill_vllm_fp32_s": 0.0}
+    prefill_cls = None
+    if name not in ("vllm", "fp8"):
+        from kvtier.vllm.prefill import VllmPrefill as prefill_cls
+
+        attend_orig = prefill_cls.attend
+
+        def attend(self, fmt, p, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            attend_orig(self, fmt, p, *a, **k)
+            split["prefill_kvtier_kernel_s" if p.kvtier_kernel else "prefill_vllm_fp32_s"] += time.perf_counter() - t0
+
+        prefill_cls.attend = attend
     sp = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True, detokenize=False)
     counts0 = sparse_counts(name)
     t = time.perf_counter()
@@ -179,6 +194,8 @@ def load(llm, tok, args, name: str, salt: int = 0) -> dict:  # noqa: ANN001
     finally:
         sched.schedule = orig
         executor.execute_model = run_step
+        if prefill_cls is not None:
+            prefill_cls.attend = attend_orig
     wall = time.perf_counter() - t
     valued, scored = (a - b for a, b in zip(sparse_counts(name), counts0))
     new = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -195,6 +212,7 @@ def load(llm, tok, args, name: str, salt: int = 0) -> dict:  # noqa: ANN001
         "max_running": seen["running"],
         "steps": seen["steps"],
         **phase,
+        **(split if prefill_cls is not None else {}),
         **({"sparse_valued_share": valued / scored} if scored else {}),
     }
 
