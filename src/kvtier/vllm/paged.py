@@ -263,32 +263,39 @@ def _attend_request(
     value: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """``[q, Hq, D]`` fp32: one request's new tokens over its decoded pages and exact rows (SDPA)."""
+    """``[q, Hq, D]`` fp32: one request's new tokens over its decoded pages and exact rows (SDPA);
+    with ``PagePolicy.sparse_mass`` and at most ``SPARSE_MAX_QUERY`` new tokens, the packed tokens
+    through :func:`select_packed` (kept weights renormalized), the exact rows dense."""
     H, D = key.shape[1:]
     Hq = query.shape[1]
-    if fmt.policy.sparse_mass is not None and req.qe - req.qs <= SPARSE_MAX_QUERY and (req.packed or req.head_rows):
-        return _attend_request_sparse(fmt, req, pages, side, query, key, value, scale)
+    q = query[req.qs : req.qe].float().transpose(0, 1).contiguous()  # [Hq, n, D]
+    n, G = q.shape[1], Hq // H
+    parts = []  # (out [Hq, n, D], lse [Hq, n]) of each part of the request's keys
     ks, vs = _packed_kv(fmt, req, pages, H, D)
+    if ks and fmt.policy.sparse_mass is not None and n <= SPARSE_MAX_QUERY:
+        parts.append(_sparse_packed(fmt, req, q.view(H, G * n, D), torch.cat(ks, 1), torch.cat(vs, 1), scale))
+        ks, vs = [], []
     if req.side_rows:
         rows = side[req.side_slot, : req.side_rows].float()  # [n, 2, H, D]
         ks.append(rows[:, 0].transpose(0, 1))
         vs.append(rows[:, 1].transpose(0, 1))
-    q = query[req.qs : req.qe].float().transpose(0, 1).contiguous()  # [Hq, n, D]
-    n, G = q.shape[1], Hq // H
+    if ks:  # the chunk over everything before it (all visible): the G query heads of a KV head as one row block
+        k, v = torch.cat(ks, 1).contiguous(), torch.cat(vs, 1).contiguous()
+        old = _flash(q.view(H, G * n, D), k, v, scale, causal=False)
+        parts.append((old[0].reshape(Hq, n, D), old[1].reshape(Hq, n)))
     kn = key[req.qs : req.qe].float().transpose(0, 1).repeat_interleave(G, 0)  # [Hq, n, D]
     vn = value[req.qs : req.qe].float().transpose(0, 1).repeat_interleave(G, 0)
-    new = _flash(q, kn, vn, scale, causal=n > 1)  # the chunk over itself
-    if not ks:
-        return new[0].transpose(0, 1)
-    # the chunk over everything before it (all visible): the G query heads of a KV head as one row block
-    k, v = torch.cat(ks, 1).contiguous(), torch.cat(vs, 1).contiguous()
-    old = _flash(q.view(H, G * n, D), k, v, scale, causal=False)
-    o1, l1 = old[0].reshape(Hq, n, D), old[1].reshape(Hq, n)
-    o2, l2 = new
-    m = torch.maximum(l1, l2)
-    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
-    o = (o1 * w1.unsqueeze(-1) + o2 * w2.unsqueeze(-1)) / (w1 + w2).unsqueeze(-1)
-    return o.transpose(0, 1)
+    parts.append(_flash(q, kn, vn, scale, causal=n > 1))  # the chunk over itself
+    if len(parts) == 1:
+        return parts[0][0].transpose(0, 1)
+    m = parts[0][1]
+    for _, lse in parts[1:]:
+        m = torch.maximum(m, lse)
+    ws = [torch.exp(lse - m) for _, lse in parts]
+    num, den = parts[0][0] * ws[0].unsqueeze(-1), ws[0]
+    for (o, _), w in zip(parts[1:], ws[1:]):
+        num, den = num + o * w.unsqueeze(-1), den + w
+    return (num / den.unsqueeze(-1)).transpose(0, 1)
 
 
 def select_packed(scores: torch.Tensor, level: float, forced: torch.Tensor) -> torch.Tensor:
@@ -310,46 +317,19 @@ def select_packed(scores: torch.Tensor, level: float, forced: torch.Tensor) -> t
     return (e >= thr).any(1) | forced
 
 
-def _attend_request_sparse(
-    fmt: PageFormat,
-    req: RequestPlan,
-    pages: torch.Tensor,
-    side: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """``[q, Hq, D]`` fp32: :func:`_attend_request` with sparse decode over the packed tokens
-    (:func:`select_packed`; kept weights renormalized), the exact rows dense."""
-    H, D = key.shape[1:]
-    Hq = query.shape[1]
-    ks, vs = _packed_kv(fmt, req, pages, H, D)
-    k, v = torch.cat(ks, 1), torch.cat(vs, 1)  # [H, P, D]
-    P = k.shape[1]
-    q = query[req.qs : req.qe].float().transpose(0, 1).contiguous()  # [Hq, n, D]
-    n, G = q.shape[1], Hq // H
-    s = (q.reshape(H, G * n, D) * scale) @ k.transpose(1, 2)  # [H, G n, P]
+def _sparse_packed(fmt: PageFormat, req: RequestPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):  # noqa: ANN202
+    """``(out [Hq, n, D], lse [Hq, n])`` of rows ``q [H, G n, D]`` over packed ``k, v [H, P, D]``,
+    values of only the tokens :func:`select_packed` keeps (weights renormalized over them)."""
+    D, P = q.shape[-1], k.shape[1]
+    s = (q * scale) @ k.transpose(1, 2)  # [H, G n, P]
     pos = torch.arange(P)
     forced = (pos >= P + req.side_rows - fmt.policy.local_window) | (pos < fmt.policy.sink_tokens)
     keep = select_packed(s, fmt.policy.sparse_mass, forced)  # [H, P]
     m = s.amax(-1)
     e = torch.exp(s - m.unsqueeze(-1)) * keep.unsqueeze(1)
     l = e.sum(-1)  # noqa: E741
-    parts = [((e @ v) / l.unsqueeze(-1)).reshape(Hq, n, D), (m + l.log()).reshape(Hq, n)]
-    outs = [tuple(parts)]
-    if req.side_rows:
-        rows = side[req.side_slot, : req.side_rows].float()  # [r, 2, H, D]
-        ko, vo = rows[:, 0].transpose(0, 1).contiguous(), rows[:, 1].transpose(0, 1).contiguous()
-        old = _flash(q.view(H, G * n, D), ko, vo, scale, causal=False)
-        outs.append((old[0].reshape(Hq, n, D), old[1].reshape(Hq, n)))
-    kn = key[req.qs : req.qe].float().transpose(0, 1).repeat_interleave(G, 0)  # [Hq, n, D]
-    vn = value[req.qs : req.qe].float().transpose(0, 1).repeat_interleave(G, 0)
-    outs.append(_flash(q, kn, vn, scale, causal=n > 1))
-    lse = torch.stack([x[1] for x in outs])  # [parts, Hq, n]
-    w = torch.softmax(lse, 0)
-    o = sum(w[i].unsqueeze(-1) * outs[i][0] for i in range(len(outs)))
-    return o.transpose(0, 1)
+    n = req.qe - req.qs
+    return ((e @ v) / l.unsqueeze(-1)).reshape(-1, n, D), (m + l.log()).reshape(-1, n)
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):  # noqa: ANN202

@@ -655,6 +655,7 @@ void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Ten
         const int64_t ntot = nb * T + hrows, ctx = ntot + nside;
         auto page_of = [&](int64_t j) { return pg + (j < nb ? pid[ps[r] + j] : hblock) * L.page; };
         const int64_t npages = nb + (hrows > 0);
+        int64_t nvalued = 0;
         big.resize(R * std::max<int64_t>(ntot, 1));
         thr.resize(R);
         comp.resize(R * (T + 16));
@@ -670,8 +671,9 @@ void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Ten
             fold_page<scalar_t>(L, page_of(j), h, n, iota.data(), n, big.data() + base, ntot, st, vf);
           else
             fold_page<scalar_t>(L, page_of(j), h, n, kept.data(), nk, comp.data(), T + 16, st, vf);
-          valued += nk;
+          nvalued += nk;
         }
+        valued += nvalued;  // once per task
         scored += ntot;
       } else {
         for (int64_t bi = ps[r] + split * nb / ns; bi < ps[r] + (split + 1) * nb / ns; ++bi)
