@@ -11,6 +11,10 @@ timed in the same rounds, with the share of packed tokens whose values were read
 keys the weights are flat (a level keeps most tokens): it shows the selection's cost, not what it
 saves on a model's attention (``benchmarks/vllm_serve.py`` reports that share for real runs).
 
+``--policies compact`` adds kvtier over the pages of those presets (their own bytes, the same keys and
+values), timed in the same rounds; with ``value_rotation`` the call includes the backend's two
+rotations (the new values in, the output back).
+
 Prints ms per call and the ratio; ends with one JSON line.
 """
 
@@ -26,12 +30,13 @@ import torch
 H, HQ, D, T = 3, 9, 64, 128
 
 
-def case(reqs: int, length: int, iters: int, rounds: int, levels: tuple[float, ...] = ()) -> dict:
+def case(reqs: int, length: int, iters: int, rounds: int, levels: tuple[float, ...] = (), policies: tuple = ()) -> dict:
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+    from kvtier.quant.rotation import rotation
     from kvtier.vllm.paged import SideBuffer, attend_layer_fused, plan_step
-    from kvtier.vllm.pages import PageFormat, PagePolicy
+    from kvtier.vllm.pages import PageFormat, PagePolicy, get_page_policy
 
     torch.manual_seed(0)
     fmt = PageFormat(PagePolicy(block_size=T), H, D, torch.bfloat16)
@@ -82,7 +87,27 @@ def case(reqs: int, length: int, iters: int, rounds: int, levels: tuple[float, .
             scheduler_metadata=meta, s_aux=None,
         )  # fmt: skip
 
-    fns = {"kvtier": kvtier, "vllm": vllm, **{f"sparse{lv}": sparse(lv) for lv in levels}}
+    def preset(name: str):  # noqa: ANN202
+        pfmt = PageFormat(get_page_policy(name), H, D, torch.bfloat16)
+        r = rotation(D)
+        vr = torch.matmul(v.float(), r).to(v.dtype) if pfmt.policy.value_rotation else v
+        ppages = torch.zeros(pages.shape[0], pfmt.page_bytes, dtype=torch.uint8)
+        ppages[1:] = pfmt.encode(k.view(-1, T, H, D).transpose(1, 2), vr.view(-1, T, H, D).transpose(1, 2))
+
+        def run() -> None:
+            vv = torch.matmul(vn.float(), r).to(vn.dtype) if pfmt.policy.value_rotation else vn
+            attend_layer_fused(pfmt, plan, ppages, layer, q, kn, vv, D**-0.5, out=out)
+            if pfmt.policy.value_rotation:
+                out.copy_(torch.matmul(out.float(), r.T))
+
+        return run
+
+    fns = {
+        "kvtier": kvtier,
+        "vllm": vllm,
+        **{f"sparse{lv}": sparse(lv) for lv in levels},
+        **{name: preset(name) for name in policies},
+    }
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(rounds):
         for name, f in fns.items():
@@ -96,6 +121,8 @@ def case(reqs: int, length: int, iters: int, rounds: int, levels: tuple[float, .
     for lv in levels:
         res[f"sparse{lv}_ms"] = best[f"sparse{lv}"]
         res[f"sparse{lv}_valued_share"] = (counts[lv][0] / counts[lv][1]).item()
+    for name in policies:
+        res[f"{name}_ms"] = best[name]
     return res
 
 
@@ -106,17 +133,23 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=2049)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sparse", default="", help="comma-separated PagePolicy.sparse_mass levels to time too")
+    ap.add_argument("--policies", default="", help="comma-separated page presets to time too (e.g. compact)")
     args = ap.parse_args()
+    policies = tuple(x for x in args.policies.split(",") if x)
     levels = tuple(float(x) for x in args.sparse.split(",") if x)
     results = []
     for th in map(int, args.threads.split(",")):
         torch.set_num_threads(th)
         for reqs in map(int, args.reqs.split(",")):
-            res = {"threads": th, "reqs": reqs, **case(reqs, args.length, 200 // reqs + 5, args.rounds, levels)}
+            res = {
+                "threads": th,
+                "reqs": reqs,
+                **case(reqs, args.length, 200 // reqs + 5, args.rounds, levels, policies),
+            }
             sp = "".join(
                 f", sparse {lv}: {res[f'sparse{lv}_ms']:.3f} ms ({res[f'sparse{lv}_valued_share']:.0%} valued)"
                 for lv in levels
-            )
+            ) + "".join(f", {name}: {res[f'{name}_ms']:.3f} ms" for name in policies)
             print(
                 f"threads={th} reqs={reqs}: kvtier {res['kvtier_ms']:.3f} ms, vLLM bf16 {res['vllm_ms']:.3f} ms,"
                 f" kvtier/vLLM {res['ratio']:.2f}{sp}",

@@ -32,7 +32,11 @@ H, HQ, D = 3, 9, 64
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"bits": 3},
+        {"bits": 5},
+        {"value_bits": 6},
+        {"value_bits": 3, "bits": None},
+        {"value_rotation": 1},
+        {"value_rotation": True, "bits": None},
         {"block_size": 100},
         {"block_size": 16},
         {"sink_tokens": 128},
@@ -56,7 +60,8 @@ def test_policy_rejects(kwargs: dict) -> None:
 def test_policy_name_round_trip() -> None:
     from kvtier.vllm.pages import parse_policy_name, policy_name
 
-    for p in [*(v[0] for v in PAGE_POLICIES.values()), PagePolicy(sparse_mass=0.9999, local_window=0)]:
+    more = [PagePolicy(sparse_mass=0.9999, local_window=0), PagePolicy(bits=2, value_bits=8, value_rotation=True)]
+    for p in [*(v[0] for v in PAGE_POLICIES.values()), *more]:
         assert parse_policy_name(policy_name(p)) == p
 
 
@@ -69,10 +74,21 @@ def test_presets_and_page_bytes() -> None:
     assert (fmt.cell_bytes, fmt.page_bytes, fmt.exact_page_bytes) == (70, 26880, 98304)
     sinks = PageFormat(PagePolicy(block_size=256, sink_tokens=1), H, D, torch.bfloat16)
     assert sinks.cell_bytes == 70 and sinks.used_bytes == sinks.page_bytes  # the sink fills the spare byte
+    # compact: value codes 24 B instead of 32: 62 B per cell, 256 / 62 = 4.13x bf16
+    compact = PageFormat(get_page_policy("compact"), H, D, torch.bfloat16)
+    assert compact.cell_bytes == 62 and compact.policy.kernel_codes
+    assert not PagePolicy(bits=3).kernel_codes and not PagePolicy(value_bits=2).kernel_codes
 
 
 @pytest.mark.parametrize(
-    "policy", [PagePolicy(), PagePolicy(bits=2, key_group=32), PagePolicy(block_size=64, sink_tokens=3)]
+    "policy",
+    [
+        PagePolicy(),
+        PagePolicy(bits=2, key_group=32),
+        PagePolicy(block_size=64, sink_tokens=3),
+        PagePolicy(value_bits=3),
+        PagePolicy(bits=3, value_bits=8, block_size=64, sink_tokens=1),
+    ],
 )
 def test_round_trip_bound(policy: PagePolicy) -> None:
     torch.manual_seed(0)
@@ -101,7 +117,7 @@ class FakeEngine:
     def __init__(self, policy: PagePolicy, slots: int = 8, blocks: int = 64, attend=attend_layer, oracle=None):  # noqa: ANN001
         self.attend, self.oracle = attend, oracle  # oracle: a torch path the step is compared with instead
         # the fused paths pack in C++ too (4-bit pages), the torch path in torch
-        self.update = update_layer if attend is attend_layer or policy.bits != 4 else update_layer_fused
+        self.update = update_layer if attend is attend_layer or not policy.kernel_codes else update_layer_fused
         self.fmt = PageFormat(policy, H, D, torch.bfloat16)
         self.T = policy.block_size
         self.side = SideBuffer(slots, self.T, H, D, torch.bfloat16)
@@ -236,7 +252,14 @@ ATTEND = [
 
 
 @pytest.mark.parametrize("attend", ATTEND)
-@pytest.mark.parametrize("policy", [PagePolicy(block_size=32), PagePolicy(block_size=64, sink_tokens=2, key_group=32)])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        PagePolicy(block_size=32),
+        PagePolicy(block_size=64, sink_tokens=2, key_group=32),
+        PagePolicy(block_size=32, value_bits=3, value_group=16),
+    ],
+)
 def test_steps_against_reference(policy: PagePolicy, attend) -> None:  # noqa: ANN001
     torch.manual_seed(1)
     eng = FakeEngine(policy, attend=attend)
@@ -296,7 +319,12 @@ def test_engine_kwargs() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(
     "policy",
-    [PagePolicy(block_size=32), PagePolicy(block_size=64, sink_tokens=3, key_group=32), PagePolicy(sink_tokens=1)],
+    [
+        PagePolicy(block_size=32),
+        PagePolicy(block_size=64, sink_tokens=3, key_group=32),
+        PagePolicy(sink_tokens=1),
+        PagePolicy(block_size=32, value_bits=3, sink_tokens=2, value_group=32),
+    ],
 )
 def test_fused_update_packs_encode_bytes(policy: PagePolicy, dtype: torch.dtype) -> None:
     """The C++ packer writes PageFormat.encode's bytes (padding included) and the side rows of update_layer,
@@ -326,7 +354,14 @@ def test_fused_update_packs_encode_bytes(policy: PagePolicy, dtype: torch.dtype)
 
 @_NO_KERNEL
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("policy", [PagePolicy(block_size=32), PagePolicy(block_size=64, sink_tokens=3, key_group=32)])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        PagePolicy(block_size=32),
+        PagePolicy(block_size=64, sink_tokens=3, key_group=32),
+        PagePolicy(block_size=32, value_bits=3, value_group=16),
+    ],
+)
 def test_decode_rows_is_page_decode(policy: PagePolicy, dtype: torch.dtype) -> None:
     """The C++ page decoder gives PageFormat.decode's values in the model dtype, token-major."""
     from kvtier.vllm.prefill import decode_rows
@@ -347,6 +382,7 @@ def test_decode_rows_is_page_decode(policy: PagePolicy, dtype: torch.dtype) -> N
 SPARSE = [
     PagePolicy(block_size=32, sparse_mass=0.9, local_window=20),
     PagePolicy(block_size=64, sink_tokens=2, key_group=32, sparse_mass=0.98, local_window=0),
+    PagePolicy(block_size=32, value_bits=3, sparse_mass=0.95, local_window=8),
 ]
 
 
@@ -442,3 +478,15 @@ def test_sparse_decode_counts() -> None:
         counts=counts,
     )
     assert counts[1] == 8 * 32 * H and 0 < counts[0] < counts[1]
+
+
+def test_fused_paths_refuse_codes_the_kernel_cannot_read() -> None:
+    """3-bit keys or 2-bit values go through the torch path; the C++ calls refuse them at the call."""
+    for policy in (PagePolicy(block_size=32, bits=3), PagePolicy(block_size=32, value_bits=2)):
+        eng = FakeEngine(policy)
+        args = (eng.fmt, paged.StepPlan(1, [], [], []), eng.pages, eng.side.layer("x"))
+        x = torch.zeros(1, H, D)
+        with pytest.raises(ValueError, match="4-bit keys with 4- or 3-bit values"):
+            attend_layer_fused(*args, x, x, x, 1.0)
+        with pytest.raises(ValueError, match="4-bit keys with 4- or 3-bit values"):
+            update_layer_fused(*args, x, x)

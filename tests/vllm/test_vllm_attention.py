@@ -93,3 +93,17 @@ def test_sparse_policy_reads_fewer_values_in_decode(model_path, book_ids, own):
         assert scored >= 15 * 30 * 3 * (128 + 256 + 640) and 0 < valued < scored, (valued, scored)
     finally:
         close_llm(llm)
+
+
+def test_compact_holds_more_tokens_and_stays_close(model_path, book_ids, own):
+    """``compact``: 3-bit values in the rotated basis (PagePolicy.value_rotation) hold >= 4x the bf16
+    tokens; the teacher-forced NLL stays close, which it would not if the output were left rotated."""
+    llm = build(model_path, "compact", max_num_batched_tokens=256)
+    try:
+        assert kv_tokens(llm) >= 4.0 * own["tokens"]
+        nll = teacher_nll(llm, book_ids[:3136])[0]
+        assert abs(nll - own["nll"]) < 0.05, (nll, own["nll"])
+        greedy = generate(llm, [book_ids[:n] for n in PROMPT_LENS], 16)
+        assert [len(g[0]) for g in greedy] == [16] * len(PROMPT_LENS)
+    finally:
+        close_llm(llm)

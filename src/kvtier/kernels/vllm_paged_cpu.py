@@ -2,11 +2,11 @@
 call per layer and step, and a page decoder for prefill chunks.
 
 :func:`attend`: each (request, KV head) task runs an online softmax over the request's packed blocks
-(4-bit keys per channel and values per token, read straight from vLLM's pages, never dequantized to
-memory) and then over its exact rows, read in place in the model dtype (the side buffer's rows of
+(4-bit keys per channel, 4- or 3-bit values per token, read straight from vLLM's pages, never
+dequantized to memory) and then over its exact rows, read in place in the model dtype (the side buffer's rows of
 its partly filled block, then the step's new K/V, causal); the output goes straight into the
 caller's tensor. :func:`update`: packs the blocks a step fills (the bytes of
-:meth:`kvtier.vllm.pages.PageFormat.encode`, 4-bit) and writes the other new tokens into the side
+:meth:`kvtier.vllm.pages.PageFormat.encode`) and writes the other new tokens into the side
 buffer. :func:`decode`: whole pages into token-major rows of the model dtype. The torch references
 are :func:`kvtier.vllm.paged.attend_layer`, :func:`~kvtier.vllm.paged.update_layer` and
 :meth:`~kvtier.vllm.pages.PageFormat.decode`. The C++ is ``csrc/vllm_paged_attention.cpp``, built
@@ -26,7 +26,7 @@ from . import build
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_vllm_paged_v10",
+        "kvtier_vllm_paged_v11",
         "vllm_paged_attention.cpp",
         ["vllm_paged_attend", "vllm_paged_update", "vllm_paged_decode"],
         ("-fno-math-errno",),
@@ -63,8 +63,9 @@ def attend(
     the first ``head rows`` tokens of page ``head block`` (when > 0), and its exact rows:
     ``side[slot, :side rows]`` (``[slots, T, 2, H, D]``), then ``key, value [qs:qe]`` (``[N, H, D]``),
     causal. Rows of q / key / value / out need only be contiguous. ``layout``: H, D, T, key group,
-    value group, sink tokens, page bytes, then the byte offsets of kscale, kzero, vscale, vzero,
-    sink, kcodes, vcodes (see :meth:`kvtier.vllm.pages.PageFormat.layout`).
+    value group, sink tokens, page bytes, the byte offsets of kscale, kzero, vscale, vzero, sink,
+    kcodes, vcodes, then the value code width (4 or 3; keys are 4-bit): see
+    :meth:`kvtier.vllm.pages.PageFormat.layout`.
 
     ``level < 1``: sparse decode for requests of at most ``max_query`` new tokens (not split across
     threads): every packed token is scored, values are read only for the tokens kept by
@@ -100,7 +101,7 @@ def update(
     layout: list[int],
 ) -> None:
     """Pack the blocks ``enc [E, 4]`` (page, side slot, side rows, first new token: the block's first
-    ``side rows`` tokens from ``side[slot]``, the rest from ``key, value [first:]``) into 4-bit
+    ``side rows`` tokens from ``side[slot]``, the rest from ``key, value [first:]``) into
     pages, then copy new token ``writes[i, 1]`` into side row ``writes[i, 0]`` (``slot * T + offset``)."""
     _module().vllm_paged_update(pages, side, key, value, enc, writes, layout)
 
@@ -113,7 +114,7 @@ def decode(
     dtype: torch.dtype,
     layout: list[int],
 ) -> None:
-    """Write the 4-bit pages ``pages[pids]`` of model dtype ``dtype`` decoded, token-major, into
+    """Write the pages ``pages[pids]`` of model dtype ``dtype`` decoded, token-major, into
     ``key, value [len(pids) * T, H, D]`` (contiguous, fp32 or ``dtype``):
     :meth:`kvtier.vllm.pages.PageFormat.decode` in that dtype, transposed."""
     _module().vllm_paged_decode(pages, pids, key, value, torch.empty(0, dtype=dtype), layout)

@@ -13,6 +13,8 @@ the same policy in any process (module ``__getattr__`` rebuilds it from the name
   packs each layer (:func:`~kvtier.vllm.paged.attend_layer_fused` and
   :func:`~kvtier.vllm.paged.update_layer_fused`: one C++ call each; their torch references
   :func:`~kvtier.vllm.paged.attend_layer`, :func:`~kvtier.vllm.paged.update_layer` where it is not built).
+  With ``PagePolicy.value_rotation`` the impl rotates each step's values before they are attended
+  and stored, and rotates the output back after: every other part works in the rotated basis unaware.
 
 This is the one module of kvtier that subclasses vLLM's attention classes; it imports vLLM at
 module level and is imported only by vLLM's registry (or a test in vLLM's venv).
@@ -30,12 +32,12 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ..kernels import vllm_paged_cpu
+from ..quant.rotation import rotation
 from .paged import (
     SideBuffer,
     StepPlan,
     attend_layer,
     attend_layer_fused,
-    fused_update_supported,
     plan_step,
     update_layer,
     update_layer_fused,
@@ -93,7 +95,7 @@ class _PagedBuilder(AttentionMetadataBuilder[KVTierMetadata]):
         )
         _SIDES.add(self.side)
         self.prefill = None
-        if self.policy.bits == 4 and vllm_paged_cpu.available():  # the fused path: prefill chunks through vLLM
+        if self.policy.kernel_codes and vllm_paged_cpu.available():  # the fused path: prefill chunks through vLLM
             spec = kv_cache_spec
             heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
             self.prefill = VllmPrefill(heads, spec.num_kv_heads, spec.head_size, spec.block_size, spec.dtype)
@@ -150,6 +152,7 @@ class _PagedImpl(AttentionImpl):
         self.attn_type = attn_type
         self.sinks = None
         self.fmt: PageFormat | None = None
+        self.rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # (R, R.T) fp32 [D, D]
         self.counts = torch.zeros(2, dtype=torch.long) if self.policy.sparse_mass is not None else None
         _IMPLS.add(self)
 
@@ -172,8 +175,11 @@ class _PagedImpl(AttentionImpl):
         n = attn_metadata.num_actual_tokens
         if self.fmt is None:
             self.fmt = PageFormat(self.policy, self.num_kv_heads, self.head_size, key.dtype)
-            self.fused = self.policy.bits == 4 and vllm_paged_cpu.available()
-            self.update = update_layer_fused if self.fused and fused_update_supported(self.fmt) else update_layer
+            self.fused = self.policy.kernel_codes and vllm_paged_cpu.available()
+            self.update = update_layer_fused if self.fused else update_layer
+            if self.policy.value_rotation:
+                r = rotation(self.head_size)
+                self.rotation = (r, r.T.contiguous())
         pages = kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)
         if pages.shape[1] != self.fmt.page_bytes or not kv_cache.is_contiguous():
             raise RuntimeError(
@@ -183,6 +189,8 @@ class _PagedImpl(AttentionImpl):
         plan = attn_metadata.plan
         q, k, v = query[:n], key[:n], value[:n]
         out = output[:n].view(n, self.num_heads, self.head_size)
+        if self.rotation is not None:  # values live in the rotated basis (PagePolicy.value_rotation)
+            v = torch.matmul(v.float(), self.rotation[0]).to(v.dtype)
         if self.fused:  # written straight into vLLM's output
             pre = attn_metadata.prefill
             attend_layer_fused(
@@ -192,6 +200,8 @@ class _PagedImpl(AttentionImpl):
                 attn_metadata.prefiller.attend(self.fmt, p, pages, side, q, k, v, self.scale, out)
         else:
             out.copy_(attend_layer(self.fmt, plan, pages, side, q, k, v, self.scale))
+        if self.rotation is not None:  # the output back from the rotated basis
+            out.copy_(torch.matmul(out.float(), self.rotation[1]))
         self.update(self.fmt, plan, pages, side, k, v)
         return output
 

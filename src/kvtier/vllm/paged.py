@@ -388,6 +388,14 @@ def kernel_index(plan: StepPlan) -> dict:
     return plan.index
 
 
+def _check_kernel_codes(fmt: PageFormat) -> None:
+    if not fmt.policy.kernel_codes:
+        raise ValueError(
+            f"the C++ page kernels read 4-bit keys with 4- or 3-bit values, not bits={fmt.policy.bits} / "
+            f"value_bits={fmt.policy.vbits}: use attend_layer / update_layer"
+        )
+
+
 @torch.no_grad()
 def attend_layer_fused(
     fmt: PageFormat,
@@ -410,6 +418,7 @@ def attend_layer_fused(
     (int64 ``[2]``): incremented by the tokens valued and scored under sparse decode."""
     from ..kernels import vllm_paged_cpu
 
+    _check_kernel_codes(fmt)
     idx = kernel_index(plan)
     if out is None:
         out = torch.empty(query.shape, dtype=torch.float32)
@@ -437,19 +446,15 @@ def attend_layer_fused(
     return out
 
 
-def fused_update_supported(fmt: PageFormat) -> bool:
-    """Whether :func:`update_layer_fused` packs ``fmt``'s pages (4-bit) in C++."""
-    return fmt.policy.bits == 4
-
-
 @torch.no_grad()
 def update_layer_fused(
     fmt: PageFormat, plan: StepPlan, pages: torch.Tensor, side: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> None:
-    """:func:`update_layer` in one C++ call (4-bit pages: see :func:`fused_update_supported`): the
-    same page bytes and side rows."""
+    """:func:`update_layer` in one C++ call (pages of :attr:`PagePolicy.kernel_codes
+    <kvtier.vllm.pages.PagePolicy.kernel_codes>`): the same page bytes and side rows."""
     from ..kernels import vllm_paged_cpu
 
+    _check_kernel_codes(fmt)
     idx = kernel_index(plan)
     if idx["enc"].shape[0] or idx["writes"].shape[0]:
         vllm_paged_cpu.update(pages, side, key, value, idx["enc"], idx["writes"], fmt.layout())

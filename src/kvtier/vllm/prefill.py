@@ -50,11 +50,12 @@ class PrefillPlan:
 
 def decode_rows(fmt: PageFormat, pages: torch.Tensor, ids: list[int], dtype: torch.dtype):  # noqa: ANN201
     """Token-major ``k, v [len(ids) * T, H, D]`` in ``dtype`` of pages ``ids``: the C++ decoder
-    (:func:`kvtier.kernels.vllm_paged_cpu.decode`, 4-bit) or :meth:`PageFormat.decode` (the same values)."""
+    (:func:`kvtier.kernels.vllm_paged_cpu.decode`, ``PagePolicy.kernel_codes``) or
+    :meth:`PageFormat.decode` (the same values)."""
     from ..kernels import vllm_paged_cpu
 
     n, T, H, D = len(ids), fmt.tokens, fmt.heads, fmt.head_dim
-    if fmt.policy.bits == 4 and dtype in (fmt.dtype, torch.float32) and vllm_paged_cpu.available():
+    if fmt.policy.kernel_codes and dtype in (fmt.dtype, torch.float32) and vllm_paged_cpu.available():
         k, v = torch.empty(n * T, H, D, dtype=dtype), torch.empty(n * T, H, D, dtype=dtype)
         vllm_paged_cpu.decode(pages, torch.tensor(ids, dtype=torch.long), k, v, fmt.dtype, fmt.layout())
         return k, v

@@ -3,14 +3,16 @@
 // vllm_paged_attend: attention of each request's new tokens over its packed blocks (block table)
 //   and its exact tokens, read in place in the model dtype: the side buffer's rows of its partly
 //   filled block, then the step's new K/V (causal). Output written straight into vLLM's output.
-// vllm_paged_update: packs the blocks this step fills (4-bit KIVI page, the bytes of
-//   PageFormat.encode) and writes the other new tokens into the side buffer.
+// vllm_paged_update: packs the blocks this step fills (KIVI page of 4-bit keys and 4- or 3-bit
+//   values, the bytes of PageFormat.encode) and writes the other new tokens into the side buffer.
 // vllm_paged_decode: whole pages decoded into token-major rows of the model dtype (prefill chunks
 //   attend them through vLLM's own kernels: kvtier/vllm/prefill.py).
 //
 // Page of one block (byte offsets given by the caller): kscale/kzero fp16 [H, T/kg, D],
-// vscale/vzero fp16 [H, T, D/vg], sink [H, s, 2, D] (model dtype), kcodes/vcodes uint8 [H, T, D/2]
-// (4-bit codes, low nibble first). Keys are (c - z) * s per channel, values per token group.
+// vscale/vzero fp16 [H, T, D/vg], sink [H, s, 2, D] (model dtype), kcodes uint8 [H, T, D/2] (4-bit
+// codes, low nibble first), vcodes uint8 [H, T, D*vb/8] (vb = 4, or 3: kvtier.quant.pack_bits's
+// planes, a 2-bit plane of D/4 bytes then a 1-bit plane of D/8). Keys are (c - z) * s per channel,
+// values per token group.
 //
 // Per (request, kv head) task, every query row that shares the head (G query heads x q tokens) runs
 // an online softmax over: the packed blocks (all visible; a cached block read in part: its first
@@ -53,6 +55,22 @@ inline void unpack32(const uint8_t* c, __m512& a, __m512& b) {
 #endif
 
 #if defined(__AVX512F__)
+// 64 3-bit codes (a 2-bit plane of 16 bytes, then a 1-bit plane of 8: kvtier.quant.pack_bits) as four
+// vectors of 16 floats, in code order
+inline void unpack64_3(const uint8_t* c, __m512* v) {
+  const __m512i s2 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i s1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int j = 0; j < 4; ++j) {
+    uint32_t lo;
+    uint16_t hi;
+    std::memcpy(&lo, c + 4 * j, 4);
+    std::memcpy(&hi, c + 16 + 2 * j, 2);
+    const __m512i a = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(lo)), s2), _mm512_set1_epi32(3));
+    const __m512i b = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(hi), s1), _mm512_set1_epi32(1));
+    v[j] = _mm512_cvtepi32_ps(_mm512_or_si512(a, _mm512_slli_epi32(b, 2)));
+  }
+}
+
 // s[i] = sum of the 16 lanes of v[i], i < 16: a transpose-and-add tree (pairs within 128-bit lanes,
 // then quads, then across the four 128-bit lanes), ~3 instructions per vector instead of a
 // horizontal reduction of each.
@@ -179,12 +197,36 @@ inline void store_row(const float* src, T* dst, int64_t D, float mul) {
 struct Layout {
   int64_t H, D, T, kg, vg, s, page;
   int64_t kscale, kzero, vscale, vzero, sink, kcodes, vcodes;
+  int64_t vb;  // value code width: 4 or 3
+  int64_t vrow() const { return D * vb / 8; }  // bytes of one token's value codes
 };
 
 Layout read_layout(const std::vector<int64_t>& lay) {
-  TORCH_CHECK(lay.size() == 14, "layout: 14 ints");
-  return Layout{lay[0], lay[1], lay[2], lay[3], lay[4], lay[5], lay[6],
-                lay[7], lay[8], lay[9], lay[10], lay[11], lay[12], lay[13]};
+  TORCH_CHECK(lay.size() == 15, "layout: 15 ints");
+  const Layout L{lay[0], lay[1], lay[2], lay[3], lay[4], lay[5], lay[6], lay[7],
+                 lay[8], lay[9], lay[10], lay[11], lay[12], lay[13], lay[14]};
+  TORCH_CHECK(L.vb == 4 || (L.vb == 3 && L.D % 8 == 0), "layout: value codes of 4 or 3 bits (D % 8 == 0)");
+  return L;
+}
+
+// Code of channel d of a D-channel row of vb-bit codes (4: nibbles, low first; 3: a 2-bit plane, then
+// a 1-bit plane holding each code's bit 2)
+inline int code_at(const uint8_t* row, int64_t d, int64_t vb, int64_t D) {
+  if (vb == 4) return (row[d / 2] >> (4 * (d & 1))) & 15;
+  return ((row[d / 4] >> (2 * (d & 3))) & 3) | (((row[D / 4 + d / 8] >> (d & 7)) & 1) << 2);
+}
+
+// Inverse of code_at for a whole row: codes [D] (< 2**vb) into row [D * vb / 8]
+inline void pack_row(const uint8_t* codes, int64_t D, int64_t vb, uint8_t* row) {
+  if (vb == 4) {
+    for (int64_t i = 0; i < D / 2; ++i) row[i] = codes[2 * i] | (codes[2 * i + 1] << 4);
+    return;
+  }
+  std::memset(row, 0, D * vb / 8);
+  for (int64_t d = 0; d < D; ++d) {
+    row[d / 4] |= (codes[d] & 3) << (2 * (d & 3));
+    row[D / 4 + d / 8] |= ((codes[d] >> 2) & 1) << (d & 7);
+  }
 }
 
 // max(init, p[0..n))
@@ -416,7 +458,7 @@ void score_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, cons
 template <typename scalar_t>
 void fold_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, const int32_t* idx, int64_t nk,
                const float* P, int64_t stride, Rows& st, std::vector<float>& vf) {
-  const int64_t T = L.T, D = L.D, nvg = D / L.vg, cb = D / 2;
+  const int64_t T = L.T, D = L.D, nvg = D / L.vg, cb = L.vrow();
   const uint16_t* vs = reinterpret_cast<const uint16_t*>(page + L.vscale) + h * T * nvg;
   const uint16_t* vz = reinterpret_cast<const uint16_t*>(page + L.vzero) + h * T * nvg;
   const scalar_t* sk = reinterpret_cast<const scalar_t*>(page + L.sink) + h * L.s * 2 * D;
@@ -439,8 +481,12 @@ void fold_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, const
         return;
       }
       const uint8_t* cc = vc + t * cb;
-      unpack32(cc, v[0], v[1]);
-      unpack32(cc + 16, v[2], v[3]);
+      if (L.vb == 4) {
+        unpack32(cc, v[0], v[1]);
+        unpack32(cc + 16, v[2], v[3]);
+      } else {
+        unpack64_3(cc, v);
+      }
       const float* st_ = vsf + t * nvg;
       const float* zt_ = vzf + t * nvg;
       for (int c = 0; c < 4; ++c) {
@@ -460,7 +506,7 @@ void fold_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, const
     }
     const uint8_t* c = vc + t * cb;
 #if defined(__AVX512F__)
-    if (D % 32 == 0 && L.vg % 16 == 0) {
+    if (L.vb == 4 && D % 32 == 0 && L.vg % 16 == 0) {
       const uint16_t* st_ = vs + t * nvg;
       const uint16_t* zt_ = vz + t * nvg;
       for (int64_t j = 0; j < D / 32; ++j) {
@@ -475,10 +521,7 @@ void fold_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, const
       continue;
     }
 #endif
-    for (int64_t j = 0; j < cb; ++j) {
-      vt[2 * j] = static_cast<float>(c[j] & 15);
-      vt[2 * j + 1] = static_cast<float>(c[j] >> 4);
-    }
+    for (int64_t d = 0; d < D; ++d) vt[d] = static_cast<float>(code_at(c, d, L.vb, D));
     for (int64_t gg = 0; gg < nvg; ++gg) {
       const float s = half_to_float(vs[t * nvg + gg]), z = half_to_float(vz[t * nvg + gg]);
       for (int64_t d = gg * L.vg; d < (gg + 1) * L.vg; ++d) vt[d] = (vt[d] - z) * s;
@@ -764,10 +807,11 @@ void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Ten
 
 // kvtier.quant.fit_scale_zero for one group: fp16 bits of (scale, zero) from fp32 min / max
 // (mn > mx: a group without valid entries). The same fp32 operations, so the same fp16 values.
-inline void fit_scale_zero(float mn, float mx, uint16_t& scale_h, uint16_t& zero_h, float& scale, float& zero) {
+inline void fit_scale_zero(float mn, float mx, float qmax, uint16_t& scale_h, uint16_t& zero_h, float& scale,
+                           float& zero) {
   if (mn > mx) mn = mx = 0.f;
   const float amax = std::max(std::fabs(mn), std::fabs(mx));
-  float s = std::max((mx - mn) / 15.f, amax / 512.f);
+  float s = std::max((mx - mn) / qmax, amax / 512.f);
   s = std::max(s, 9.5367431640625e-07f);  // SCALE_EPS = 2**-20
   scale_h = float_to_half_bits(s * (1.f + 0.0009765625f));
   scale = half_to_float(scale_h);
@@ -775,16 +819,17 @@ inline void fit_scale_zero(float mn, float mx, uint16_t& scale_h, uint16_t& zero
   zero = half_to_float(zero_h);
 }
 
-inline uint8_t code4(float x, float scale, float zero) {
+inline uint8_t code_of(float x, float scale, float zero, float qmax) {
   const float c = std::nearbyint(x / scale + zero);  // torch.round: half to even
-  return static_cast<uint8_t>(std::min(15.f, std::max(0.f, c)));
+  return static_cast<uint8_t>(std::min(qmax, std::max(0.f, c)));
 }
 
 template <typename scalar_t>
 void update_impl(const Layout& L, torch::Tensor pages, torch::Tensor side, torch::Tensor key, torch::Tensor value,
                  torch::Tensor enc, torch::Tensor writes) {
   const int64_t H = L.H, D = L.D, T = L.T, s = L.s, kg = L.kg, vg = L.vg;
-  const int64_t nkg = T / kg, nvg = D / vg, cb = D / 2;
+  const int64_t nkg = T / kg, nvg = D / vg, cb = D / 2, cv = L.vrow();
+  const float vmax = static_cast<float>((1 << L.vb) - 1);
   scalar_t* sp = side.data_ptr<scalar_t>();
   const scalar_t* kp = key.data_ptr<scalar_t>();
   const scalar_t* vp = value.data_ptr<scalar_t>();
@@ -792,7 +837,7 @@ void update_impl(const Layout& L, torch::Tensor pages, torch::Tensor side, torch
   const int64_t* en = enc.data_ptr<int64_t>();
   const int64_t ks0 = key.stride(0), ks1 = key.stride(1), vs0 = value.stride(0), vs1 = value.stride(1);
   const int64_t side_row = 2 * H * D;
-  const int64_t used = L.vcodes + H * T * cb;
+  const int64_t used = L.vcodes + H * T * cv;
   const int64_t nenc = enc.size(0);
   // ---- pack the blocks this step fills (reads side rows: before any side write) ----
   at::parallel_for(0, nenc * H, 1, [&](int64_t begin, int64_t end) {
@@ -827,12 +872,12 @@ void update_impl(const Layout& L, torch::Tensor pages, torch::Tensor side, torch
             mx = std::max(mx, k[t * D + d]);
           }
           float scale, zero;
-          fit_scale_zero(mn, mx, ksc[g * D + d], kzr[g * D + d], scale, zero);
-          for (int64_t t = g * kg; t < (g + 1) * kg; ++t) codes[t * D + d] = code4(k[t * D + d], scale, zero);
+          fit_scale_zero(mn, mx, 15.f, ksc[g * D + d], kzr[g * D + d], scale, zero);
+          for (int64_t t = g * kg; t < (g + 1) * kg; ++t) codes[t * D + d] = code_of(k[t * D + d], scale, zero, 15.f);
         }
       }
       uint8_t* kc = page + L.kcodes + h * T * cb;
-      for (int64_t i = 0; i < T * cb; ++i) kc[i] = codes[2 * i] | (codes[2 * i + 1] << 4);
+      for (int64_t t = 0; t < T; ++t) pack_row(codes.data() + t * D, D, 4, kc + t * cb);
       // values: per token over groups of vg channels
       uint16_t* vsc = reinterpret_cast<uint16_t*>(page + L.vscale) + h * T * nvg;
       uint16_t* vzr = reinterpret_cast<uint16_t*>(page + L.vzero) + h * T * nvg;
@@ -845,12 +890,12 @@ void update_impl(const Layout& L, torch::Tensor pages, torch::Tensor side, torch
             mx = std::max(mx, x[d]);
           }
           float scale, zero;
-          fit_scale_zero(mn, mx, vsc[t * nvg + gg], vzr[t * nvg + gg], scale, zero);
-          for (int64_t d = 0; d < vg; ++d) codes[t * D + gg * vg + d] = code4(x[d], scale, zero);
+          fit_scale_zero(mn, mx, vmax, vsc[t * nvg + gg], vzr[t * nvg + gg], scale, zero);
+          for (int64_t d = 0; d < vg; ++d) codes[t * D + gg * vg + d] = code_of(x[d], scale, zero, vmax);
         }
       }
-      uint8_t* vc = page + L.vcodes + h * T * cb;
-      for (int64_t i = 0; i < T * cb; ++i) vc[i] = codes[2 * i] | (codes[2 * i + 1] << 4);
+      uint8_t* vc = page + L.vcodes + h * T * cv;
+      for (int64_t t = 0; t < T; ++t) pack_row(codes.data() + t * D, D, L.vb, vc + t * cv);
     }
   });
   // ---- the other new tokens into their side rows ----
@@ -869,7 +914,7 @@ void update_impl(const Layout& L, torch::Tensor pages, torch::Tensor side, torch
 // same fp32 operations ((c - z) * s, then rounded once), written at out[i * T + t, h, :].
 template <typename page_t, typename scalar_t>
 void decode_impl(const Layout& L, torch::Tensor pages, torch::Tensor pids, torch::Tensor ko, torch::Tensor vo) {
-  const int64_t H = L.H, D = L.D, T = L.T, s = L.s, nkg = T / L.kg, nvg = D / L.vg, cb = D / 2;
+  const int64_t H = L.H, D = L.D, T = L.T, s = L.s, nkg = T / L.kg, nvg = D / L.vg, cb = D / 2, cv = L.vrow();
   const uint8_t* pg = pages.data_ptr<uint8_t>();
   const int64_t* pid = pids.data_ptr<int64_t>();
   scalar_t* kp = ko.data_ptr<scalar_t>();
@@ -884,7 +929,7 @@ void decode_impl(const Layout& L, torch::Tensor pages, torch::Tensor pids, torch
       const uint16_t* vz = reinterpret_cast<const uint16_t*>(page + L.vzero) + h * T * nvg;
       const page_t* sk = reinterpret_cast<const page_t*>(page + L.sink) + h * s * 2 * D;
       const uint8_t* kc = page + L.kcodes + h * T * cb;
-      const uint8_t* vc = page + L.vcodes + h * T * cb;
+      const uint8_t* vc = page + L.vcodes + h * T * cv;
       for (int64_t t = 0; t < T; ++t) {
         scalar_t* kr = kp + ((i * T + t) * H + h) * D;
         scalar_t* vr = vp + ((i * T + t) * H + h) * D;
@@ -898,9 +943,9 @@ void decode_impl(const Layout& L, torch::Tensor pages, torch::Tensor pids, torch
         const int64_t g = t / L.kg;
         for (int64_t d = 0; d < D; ++d) {
           const float ck = static_cast<float>((kc[t * cb + d / 2] >> (4 * (d & 1))) & 15);
-          const float cv = static_cast<float>((vc[t * cb + d / 2] >> (4 * (d & 1))) & 15);
+          const float cvd = static_cast<float>(code_at(vc + t * cv, d, L.vb, D));
           const float k = (ck - half_to_float(kz[g * D + d])) * half_to_float(ks[g * D + d]);
-          const float v = (cv - half_to_float(vz[t * nvg + d / L.vg])) * half_to_float(vs[t * nvg + d / L.vg]);
+          const float v = (cvd - half_to_float(vz[t * nvg + d / L.vg])) * half_to_float(vs[t * nvg + d / L.vg]);
           kr[d] = static_cast<scalar_t>(k);
           vr[d] = static_cast<scalar_t>(v);
         }
@@ -932,7 +977,7 @@ void vllm_paged_attend(
     torch::Tensor pids,       // int64 [Np]
     torch::Tensor out,        // [N, Hq, D] fp32 or the model dtype (rows contiguous)
     double scale,
-    std::vector<int64_t> lay,  // H, D, T, kg, vg, s, page, kscale, kzero, vscale, vzero, sink, kcodes, vcodes
+    std::vector<int64_t> lay,  // H, D, T, kg, vg, s, page, kscale, kzero, vscale, vzero, sink, kcodes, vcodes, vb
     double level,              // sparse decode (struct Sparse): 1 = dense
     int64_t window,
     int64_t max_query,
@@ -971,7 +1016,7 @@ void vllm_paged_update(
     torch::Tensor value,      // [N, H, D]
     torch::Tensor enc,        // int64 [E, 4]: page, side slot, side rows, first new token of each block to pack
     torch::Tensor writes,     // int64 [W, 2]: side row (slot * T + offset), new token
-    std::vector<int64_t> lay  // as vllm_paged_attend; 4-bit pages
+    std::vector<int64_t> lay  // as vllm_paged_attend
 ) {
   const Layout L = read_layout(lay);
   const auto dt = key.scalar_type();
@@ -992,7 +1037,7 @@ void vllm_paged_decode(
     torch::Tensor key,        // [n * T, H, D] contiguous, fp32 or the model dtype: written
     torch::Tensor value,      // [n * T, H, D]
     torch::Tensor like,       // any tensor of the model dtype (the dtype of the pages' sink tokens)
-    std::vector<int64_t> lay  // as vllm_paged_attend; 4-bit pages
+    std::vector<int64_t> lay  // as vllm_paged_attend
 ) {
   const Layout L = read_layout(lay);
   const auto dt = key.scalar_type();
