@@ -3,8 +3,12 @@
 A chunk of ``--chunk`` new tokens after ``--context`` earlier ones (SmolLM2-135M's shape: 9 query /
 3 KV heads of 64, 128-token blocks), causal. vLLM's kernel reads its own paged cache (the chunk's
 keys already written, as in vLLM's step); kvtier's kernel (``kvtier.kernels.prefill_cpu``, bf16 dot
-products summed in fp32) reads the token-major rows. Best of ``--rounds`` rounds, alternating; the
-max error of each against the fp64 result is printed too. vLLM venv:
+products summed in fp32) reads the token-major rows. With a context of whole 128-token blocks,
+``kvtier_paged`` is the same kernel reading the context from ``default``'s packed pages in place
+(``prefill_cpu.attend_paged``; its error against the fp64 result over the pages' decoded values),
+and ``decode_pages`` the cost of decoding those pages to fp32 rows (what the fp32 path through vLLM's
+kernel adds before its attention). Best of ``--rounds`` rounds, alternating; the max error of each
+against the fp64 result is printed too. vLLM venv:
 
     python benchmarks/vllm_prefill_kernel.py --threads 1,2 --chunks 2048,256 --context 0,2048
 
@@ -38,6 +42,25 @@ def case(chunk: int, context: int, rounds: int) -> dict:
     out = torch.empty(chunk, HQ, D, dtype=torch.bfloat16)
     calls = {"kvtier": lambda: prefill_cpu.attend(q, k, v, out, scale)}
     outs = {"kvtier": out}
+    refs = {}
+    if context and context % T == 0:  # the context from packed pages, read in place / decoded
+        from kvtier.vllm.pages import PageFormat, PagePolicy
+        from kvtier.vllm.prefill import decode_rows
+
+        fmt = PageFormat(PagePolicy(block_size=T), H, D, torch.bfloat16)
+        n = context // T
+        pages = fmt.encode(k[:context].view(n, T, H, D).transpose(1, 2), v[:context].view(n, T, H, D).transpose(1, 2))
+        pids = torch.arange(n)
+        kd, vd = decode_rows(fmt, pages, list(range(n)), torch.float32)
+        kr, vr = torch.cat((kd, k[context:].float())), torch.cat((vd, v[context:].float()))
+        refs["kvtier_paged"] = prefill_cpu.attend_reference(q.double(), kr.double(), vr.double(), scale)
+        out_p = torch.empty_like(out)
+        outs["kvtier_paged"] = out_p
+        lay = fmt.layout()
+        calls["kvtier_paged"] = lambda: prefill_cpu.attend_paged(
+            q, k[context:], v[context:], out_p, scale, pages, pids, lay
+        )
+        calls["decode_pages"] = lambda: decode_rows(fmt, pages, list(range(n)), torch.float32)
     for dt in (torch.bfloat16, torch.float32):
         isa = _get_attn_isa(dt, T, D)
         blocks = -(-L // T)
@@ -68,7 +91,7 @@ def case(chunk: int, context: int, rounds: int) -> dict:
             for _ in range(iters):
                 f()
             best[name] = min(best[name], (time.perf_counter() - t) / iters * 1e3)
-    err = {f"{n}_max_err": (o.double() - ref).abs().max().item() for n, o in outs.items()}
+    err = {f"{n}_max_err": (o.double() - refs.get(n, ref)).abs().max().item() for n, o in outs.items()}
     return {**{f"{n}_ms": ms for n, ms in best.items()}, "ratio_bf16": best["vllm_bfloat16"] / best["kvtier"],
             "ratio_fp32": best["vllm_float32"] / best["kvtier"], **err}  # fmt: skip
 
@@ -94,7 +117,13 @@ def main() -> None:
                     f"threads={th} chunk={chunk} context={context}: kvtier {res['kvtier_ms']:.2f} ms, "
                     f"vLLM bf16 {res['vllm_bfloat16_ms']:.2f} ms ({res['ratio_bf16']:.2f}x), "
                     f"vLLM fp32 {res['vllm_float32_ms']:.2f} ms ({res['ratio_fp32']:.2f}x); max err kvtier "
-                    f"{res['kvtier_max_err']:.1e} vLLM bf16 {res['vllm_bfloat16_max_err']:.1e}",
+                    f"{res['kvtier_max_err']:.1e} vLLM bf16 {res['vllm_bfloat16_max_err']:.1e}"
+                    + (
+                        f"; kvtier over packed pages {res['kvtier_paged_ms']:.2f} ms (err "
+                        f"{res['kvtier_paged_max_err']:.1e}), decoding them {res['decode_pages_ms']:.2f} ms"
+                        if "kvtier_paged_ms" in res
+                        else ""
+                    ),
                     flush=True,
                 )
                 results.append(res)

@@ -20,8 +20,9 @@ Parts (``--parts``):
 - ``load``: ``--requests`` requests of a 2k prompt + 128 new tokens submitted at once: wall time,
   total (prompt + new) tokens/s, the most requests running at once, and the seconds spent in steps
   that carry prompt tokens vs steps of decode rows only (``execute_model`` timed), for kvtier the
-  prompt attention by kernel (its bf16 kernel vs vLLM's fp32 one over packed pages); with a sparse
-  page policy, the share of packed tokens whose values its decode steps read.
+  prompt attention by kernel (its bf16 kernel over exact rows, the same over packed pages in place,
+  vLLM's fp32 one over decoded pages: seconds, query-key pairs, the fp32 path's page decoding); with a
+  sparse page policy, the share of packed tokens whose values its decode steps read.
 
 ``--paired N`` (load only): every configuration's engine built first and kept alive, then ``N``
 rounds of one load run each, the order alternating per round (see BENCHMARKS.md for why its vLLM
@@ -173,19 +174,42 @@ def load(llm, tok, args, name: str, salt: int = 0) -> dict:  # noqa: ANN001
 
     executor.execute_model = execute_model
     # kvtier: prompt attention by kernel (its bf16 kernel vs vLLM's fp32 one over decoded packed pages)
-    split = {"prefill_kvtier_kernel_s": 0.0, "prefill_vllm_fp32_s": 0.0}
+    # (query, key) pairs summed over layers; of the fp32 path's time, the pages' decoding to fp32 rows
+    split = {
+        "prefill_kvtier_kernel_s": 0.0,
+        "prefill_kvtier_paged_s": 0.0,
+        "prefill_vllm_fp32_s": 0.0,
+        "prefill_vllm_fp32_decode_s": 0.0,
+        "prefill_kvtier_kernel_pairs": 0,
+        "prefill_kvtier_paged_pairs": 0,
+        "prefill_vllm_fp32_pairs": 0,
+    }
     prefill_cls = None
     if name not in ("vllm", "fp8"):
-        from kvtier.vllm.prefill import VllmPrefill as prefill_cls
+        from kvtier.vllm import prefill as prefill_mod
 
-        attend_orig = prefill_cls.attend
+        prefill_cls, attend_orig, decode_orig = (
+            prefill_mod.VllmPrefill,
+            prefill_mod.VllmPrefill.attend,
+            prefill_mod.decode_rows,
+        )
 
         def attend(self, fmt, p, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
             t0 = time.perf_counter()
             attend_orig(self, fmt, p, *a, **k)
-            split["prefill_kvtier_kernel_s" if p.kvtier_kernel else "prefill_vllm_fp32_s"] += time.perf_counter() - t0
+            path = "prefill_vllm_fp32" if not p.kvtier_kernel else "prefill_kvtier_kernel"
+            path = "prefill_kvtier_paged" if p.pids is not None else path
+            split[path + "_s"] += time.perf_counter() - t0
+            n = p.req.qe - p.req.qs
+            split[path + "_pairs"] += n * p.context + n * (n + 1) // 2
 
-        prefill_cls.attend = attend
+        def decode_rows(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            out = decode_orig(*a, **k)
+            split["prefill_vllm_fp32_decode_s"] += time.perf_counter() - t0
+            return out
+
+        prefill_cls.attend, prefill_mod.decode_rows = attend, decode_rows
     sp = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True, detokenize=False)
     counts0 = sparse_counts(name)
     t = time.perf_counter()
@@ -195,7 +219,7 @@ def load(llm, tok, args, name: str, salt: int = 0) -> dict:  # noqa: ANN001
         sched.schedule = orig
         executor.execute_model = run_step
         if prefill_cls is not None:
-            prefill_cls.attend = attend_orig
+            prefill_cls.attend, prefill_mod.decode_rows = attend_orig, decode_orig
     wall = time.perf_counter() - t
     valued, scored = (a - b for a, b in zip(sparse_counts(name), counts0))
     new = sum(len(o.outputs[0].token_ids) for o in outs)

@@ -88,3 +88,61 @@ def test_prefill_kernel_rejects_bad_inputs(change, message: str) -> None:  # noq
     o = torch.zeros(6, 6, 64).bfloat16()
     with pytest.raises(RuntimeError, match=message):
         prefill_cpu.attend(*change(q, k, v, o), 0.125)
+
+
+@pytest.mark.parametrize(
+    ("n", "Le", "pages", "Hq", "H", "D", "policy"),
+    [
+        (37, 40, 2, 9, 3, 64, {}),  # default pages, a chunk after 3 exact side rows, off the tiles
+        (128, 128, 3, 9, 3, 64, {"value_bits": 3}),  # compact's 3-bit values
+        (5, 70, 1, 9, 3, 64, {"block_size": 64, "key_group": 64}),  # 64-token pages
+        (200, 200, 2, 8, 1, 64, {"key_group": 64, "value_bits": 3}),  # two key groups a page, one KV head
+        (33, 33, 1, 4, 2, 128, {"value_group": 128}),  # head dim 128
+    ],
+)
+def test_paged_prefill_matches_reference(n: int, Le: int, pages: int, Hq: int, H: int, D: int, policy: dict) -> None:
+    """``attend_paged`` over packed pages + exact rows = the fp32 reference over the pages' decoded
+    fp32 keys and values: within the kernel's bound, with packed values' p * s rounded to bf16."""
+    from kvtier.vllm.pages import PageFormat, PagePolicy
+
+    torch.manual_seed(n + 7 * Le)
+    fmt = PageFormat(PagePolicy(**policy), H, D, torch.bfloat16)
+    T = fmt.tokens
+    kp = (torch.randn(pages + 2, H, T, D) * torch.linspace(0.2, 3, D) + torch.linspace(-2, 2, D)).bfloat16()
+    vp = (torch.randn(pages + 2, H, T, D) * 1.5 + 0.5).bfloat16()
+    store = fmt.encode(kp, vp)  # pages 0 .. pages + 1, read out of order below
+    pids = torch.tensor([pages + 1, *range(pages)][:pages], dtype=torch.long)
+    kd, vd = fmt.decode(store[pids])  # fp32 [pages, H, T, D]
+    kd, vd = kd.transpose(1, 2).reshape(-1, H, D), vd.transpose(1, 2).reshape(-1, H, D)
+    qkv = (torch.randn(Le, Hq + 2 * H, D) * 2).bfloat16()
+    q, k, v = qkv[Le - n :, :Hq], qkv[:, Hq : Hq + H], qkv[:, Hq + H :]
+    out = torch.full((n + 2, Hq, D), float("nan"), dtype=torch.bfloat16)
+    prefill_cpu.attend_paged(q, k, v, out[1 : n + 1], D**-0.5, store, pids, fmt.layout())
+    kall, vall = torch.cat((kd, k.float())), torch.cat((vd, v.float()))
+    ref = prefill_cpu.attend_reference(q, kall, vall, D**-0.5)
+    # weights a_j of the rounded probabilities: |s_j (c_j - h)| = |v_j + s_j (z_j - h)| for packed values
+    # (centred codes, h = 2^(bits-1)), |v_j| for exact ones
+    f = fmt.views(store[pids])
+    h = 2 ** (fmt.policy.vbits - 1)
+    sz = (f["vscale"].float() * (f["vzero"].float() - h)).transpose(1, 2).reshape(-1, H, 1)
+    a = torch.cat(((vd + sz).abs(), v.float().abs()))
+    L, G = kall.shape[0], Hq // H
+    s = (q.float().transpose(0, 1) @ kall.transpose(0, 1).repeat_interleave(G, 0).transpose(1, 2)) * D**-0.5
+    s = s.masked_fill(torch.arange(L).view(1, L) >= (L - n + torch.arange(n) + 1).view(n, 1), float("-inf"))
+    pa = (s.softmax(-1) @ a.transpose(0, 1).repeat_interleave(G, 0)).transpose(0, 1)
+    tol = 2**-8 * (pa + ref.abs()) * (1 + 1e-3) + 1e-5
+    err = (out[1 : n + 1].float() - ref).abs()
+    assert (err <= tol).all(), (err.max().item(), (err / tol).max().item())
+    assert out[0].isnan().all() and out[n + 1].isnan().all()
+    assert prefill_cpu.paged_supported(fmt.layout())
+
+
+def test_paged_prefill_refuses_pages_it_cannot_read() -> None:
+    from kvtier.vllm.pages import PageFormat, PagePolicy
+
+    fmt = PageFormat(PagePolicy(block_size=32), 1, 64, torch.bfloat16)  # 32-token pages
+    assert not prefill_cpu.paged_supported(fmt.layout())
+    x = torch.zeros(4, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="multiples of 64"):
+        prefill_cpu.attend_paged(x, x, x, x.clone(), 0.125, torch.zeros(1, fmt.page_bytes, dtype=torch.uint8),
+                                 torch.zeros(1, dtype=torch.long), fmt.layout())  # fmt: skip

@@ -1,7 +1,8 @@
-"""Prefill chunks over packed pages through vLLM's own CPU attention (``kvtier.vllm.prefill``)
-against kvtier's plain-torch reference (``kvtier.vllm.paged.attend_layer``), step by step without
-an engine: chunks with packed earlier blocks, side rows, a cached block read in part, beside
-decode requests of the fused kernel; block sizes and chunk lengths off block boundaries."""
+"""Prefill chunks over packed pages through vLLM's own CPU attention or kvtier's bf16 kernel reading
+the pages in place (``kvtier.vllm.prefill``) against kvtier's plain-torch reference
+(``kvtier.vllm.paged.attend_layer``), step by step without an engine: chunks with packed earlier
+blocks, side rows, a cached block read in part, beside decode requests of the fused kernel; block
+sizes and chunk lengths off block boundaries."""
 
 import pytest
 
@@ -28,7 +29,15 @@ AVX512 = cpu_has_avx512()
 pytestmark = pytest.mark.skipif(not vllm_paged_cpu.available(), reason="no C++ build")
 
 
-@pytest.mark.parametrize("policy", [PagePolicy(block_size=32), PagePolicy(block_size=64, sink_tokens=2, key_group=32)])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        PagePolicy(block_size=32),
+        PagePolicy(block_size=64, sink_tokens=2, key_group=32),
+        PagePolicy(block_size=64),  # pages kvtier's bf16 kernel reads in place
+        PagePolicy(block_size=64, value_bits=3),
+    ],
+)
 def test_prefill_through_vllm_matches_torch_reference(policy: PagePolicy) -> None:
     from kvtier.vllm.prefill import VllmPrefill
 
@@ -37,7 +46,8 @@ def test_prefill_through_vllm_matches_torch_reference(policy: PagePolicy) -> Non
     fmt = PageFormat(policy, H, D, torch.bfloat16)
     side = SideBuffer(8, T, H, D, torch.bfloat16)
     pages = torch.zeros(64, fmt.page_bytes, dtype=torch.uint8)
-    pre = VllmPrefill(HQ, H, D, T, torch.bfloat16)
+    pre = VllmPrefill(HQ, H, D, T, torch.bfloat16, fmt)
+    assert pre.paged_kernel == (prefill_cpu.available() and T % 64 == 0 and not policy.sink_tokens)
     tables = {"a": list(range(1, 8)), "b": list(range(8, 14)), "c": [1, 2, 14, 15, 16]}
     done = {"a": 0, "b": 0, "c": 0}
     steps = [
@@ -73,7 +83,9 @@ def test_prefill_through_vllm_matches_torch_reference(policy: PagePolicy) -> Non
         assert len(plans) <= sum(s > 16 for s in sched.values())
         for p in plans:  # the path is decided in plan: vLLM's tensors only for vLLM's kernel
             exact = not (p.req.packed or p.req.head_rows)
-            assert p.kvtier_kernel == (exact and pre.bf16_kernel)
+            in_place = bool(p.req.packed) and not p.req.head_rows and pre.paged_kernel
+            assert p.kvtier_kernel == ((exact and pre.bf16_kernel) or in_place)
+            assert (p.pids is not None) == in_place
             assert (p.scheduler_metadata is None) == p.kvtier_kernel
         for p in plans:
             pre.attend(fmt, p, pages, layer, q, k, v, D**-0.5, out)

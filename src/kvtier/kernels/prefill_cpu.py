@@ -7,7 +7,9 @@ probabilities are rounded to bf16 for the sum over values (as FlashAttention doe
 sum is fp32 and the output is rounded to bf16 once. :func:`attend_reference` is the plain-torch
 reference (fp32 throughout). The C++ is ``csrc/prefill_attention.cpp``, built by
 :mod:`kvtier.kernels.build`; :func:`available` is False where it does not build or the CPU has no
-AVX-512 BF16, and callers keep their own path. Imports only torch and ``.build``.
+AVX-512 BF16, and callers keep their own path. :func:`attend_paged`: the same with the first keys
+read from kvtier's packed vLLM pages (codes exact in bf16; the key scales go into the query as bf16
+hi + lo, the value scales into the probabilities). Imports only torch and ``.build``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from . import build
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_prefill_v5", "prefill_attention.cpp", ["prefill_attend", "prefill_supported"], ("-fno-math-errno",)
+        "kvtier_prefill_v6",
+        "prefill_attention.cpp",
+        ["prefill_attend", "prefill_attend_paged", "prefill_supported"],
+        ("-fno-math-errno",),
     )
 
 
@@ -37,6 +42,33 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     (``L >= n``; query ``i`` sees keys ``< L - n + i + 1``; ``Hq`` a multiple of ``H``). All bf16 on
     the CPU with a contiguous last dim; ``D`` 64 or 128."""
     _module().prefill_attend(q, k, v, out, float(scale))
+
+
+def attend_paged(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    pages: torch.Tensor,
+    pids: torch.Tensor,
+    layout: list[int],
+) -> None:
+    """:func:`attend` over ``len(pids) * T`` keys read from packed pages ``pages[pids]`` (uint8
+    ``[B, page]``, in order; ``layout`` = :meth:`kvtier.vllm.pages.PageFormat.layout`), then the exact
+    ``k, v [Le, H, D]`` (bf16; the chunk's own keys last: ``Le >= n``). Query ``i`` sees every packed
+    key and the exact keys ``< Le - n + i + 1``. Pages of ``T`` and key groups in multiples of 64, no
+    sink tokens, one value group per row, 4-bit keys, 4- or 3-bit values (:func:`paged_supported`).
+    Scores are those of the pages' fp32 keys to ~2^-17 of them (the query times the key scales split
+    into bf16 hi + lo); each packed value is read as its centred code ``c - 2^(bits-1)`` times its
+    probability times its scale, rounded to bf16 as probabilities are."""
+    _module().prefill_attend_paged(q, k, v, out, float(scale), pages, pids, layout)
+
+
+def paged_supported(layout: list[int]) -> bool:
+    """Whether :func:`attend_paged` reads pages of this :meth:`~kvtier.vllm.pages.PageFormat.layout`."""
+    H, D, T, kg, vg, s = layout[:6]
+    return T % 64 == 0 and kg % 64 == 0 and T % kg == 0 and s == 0 and vg >= D and layout[14] in (3, 4)
 
 
 def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

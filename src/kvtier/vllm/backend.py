@@ -98,7 +98,8 @@ class _PagedBuilder(AttentionMetadataBuilder[KVTierMetadata]):
         if self.policy.kernel_codes and vllm_paged_cpu.available():  # the fused path: prefill chunks through vLLM
             spec = kv_cache_spec
             heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
-            self.prefill = VllmPrefill(heads, spec.num_kv_heads, spec.head_size, spec.block_size, spec.dtype)
+            fmt = PageFormat(self.policy, spec.num_kv_heads, spec.head_size, spec.dtype)
+            self.prefill = VllmPrefill(heads, spec.num_kv_heads, spec.head_size, spec.block_size, spec.dtype, fmt)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False

@@ -13,9 +13,13 @@ every layer.
 A chunk without packed earlier blocks runs in the model dtype (its keys and values are the model's
 own, exact): in bf16 on a CPU with AVX-512 BF16 through kvtier's prefill kernel
 (:mod:`kvtier.kernels.prefill_cpu`, bf16 dot products summed in fp32: 1.6x vLLM's CPU kernel on a
-2k chunk), else through vLLM's. One that reads packed blocks runs in fp32 through vLLM's kernel,
-since their decoded values are not values of the model dtype (rounding them to bf16 cost
-+0.015-0.02 nats on the next 64 tokens after 3k). Imports vLLM's ops (lazily, in
+2k chunk), else through vLLM's. One that reads packed blocks goes, where the engine's pages allow
+it (:func:`kvtier.kernels.prefill_cpu.paged_supported`) and it reads no cached block in part,
+through the same kernel reading the pages' codes in place (:func:`~kvtier.kernels.prefill_cpu.attend_paged`:
+the codes are exact in bf16, the key scales go into the query as bf16 hi + lo, the value scales
+into the probabilities); else in fp32 through vLLM's kernel over the decoded pages, since decoded
+values are not values of the model dtype (rounding them to bf16 cost +0.015-0.02 nats on the next
+64 tokens after 3k). Imports vLLM's ops (lazily, in
 :class:`VllmPrefill`), torch, :mod:`kvtier.kernels` and :mod:`.paged` / :mod:`.pages`; used by
 :mod:`.backend` only, tested against the torch reference in tests/vllm.
 """
@@ -39,13 +43,14 @@ class PrefillPlan:
     req: RequestPlan
     context: int  # tokens before the chunk
     blocks: int
-    dtype: torch.dtype  # of the chunk's keys and values: fp32 when packed blocks are read
-    kvtier_kernel: bool  # kvtier's bf16 kernel (exact bf16 keys and values), else vLLM's
+    dtype: torch.dtype  # of the chunk's keys and values: fp32 when vLLM's kernel reads packed blocks
+    kvtier_kernel: bool  # kvtier's bf16 kernel (over the pages' codes when req.packed), else vLLM's
     query_start_loc: torch.Tensor | None = None  # int32 [2]
     seq_lens: torch.Tensor | None = None  # int32 [1]
     block_table: torch.Tensor | None = None  # int32 [1, blocks]
     slots: torch.Tensor | None = None  # int64 [context + chunk]
     scheduler_metadata: torch.Tensor | None = None
+    pids: torch.Tensor | None = None  # int64 [packed]: kvtier's kernel over packed pages
 
 
 def decode_rows(fmt: PageFormat, pages: torch.Tensor, ids: list[int], dtype: torch.dtype):  # noqa: ANN201
@@ -66,7 +71,15 @@ def decode_rows(fmt: PageFormat, pages: torch.Tensor, ids: list[int], dtype: tor
 class VllmPrefill:
     """Prefill chunks of one engine through vLLM's CPU attention (see the module docstring)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        fmt: PageFormat | None = None,
+    ):
         from vllm import _custom_ops as ops
         from vllm import envs
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -77,6 +90,8 @@ class VllmPrefill:
         self._scratch = {dt: torch.empty(0, num_kv_heads, block_size, 2 * head_dim, dtype=dt) for dt in self.isa}
         #: chunks of exact bf16 keys and values go through kvtier's bf16 kernel (decided once per engine)
         self.bf16_kernel = dtype == torch.bfloat16 and head_dim in (64, 128) and prefill_cpu.available()
+        #: ... and chunks over packed blocks too, reading ``fmt``'s pages in place (``fmt``: the engine's)
+        self.paged_kernel = self.bf16_kernel and fmt is not None and prefill_cpu.paged_supported(fmt.layout())
 
     def plan(self, plan: StepPlan) -> list[PrefillPlan]:
         """The prefill requests of ``plan`` (those the fused kernel leaves: ``kernel_index(plan)["rest"]``)."""
@@ -86,7 +101,10 @@ class VllmPrefill:
             n = req.qe - req.qs
             L = c + n
             blocks = -(-L // self.T)
-            # with packed earlier blocks, fp32: their decoded values are not values of the model dtype
+            if req.packed and not req.head_rows and self.paged_kernel:  # kvtier's kernel over the pages
+                out.append(PrefillPlan(req, c, blocks, self.dtype, True, pids=torch.tensor(req.packed)))
+                continue
+            # vLLM's kernel over decoded packed blocks in fp32: they are not values of the model dtype
             dtype = torch.float32 if req.packed or req.head_rows else self.dtype
             if dtype == torch.bfloat16 and self.bf16_kernel:  # kvtier's kernel: no vLLM tensors
                 out.append(PrefillPlan(req, c, blocks, dtype, True))
@@ -135,6 +153,12 @@ class VllmPrefill:
         """Write ``out[qs:qe]`` (``[N, Hq, D]``, model dtype) of prefill request ``p`` of this layer."""
         req, dt = p.req, p.dtype
         q, k, v = query[req.qs : req.qe], key[req.qs : req.qe], value[req.qs : req.qe]
+        if p.pids is not None:  # kvtier's kernel over the packed pages, then side rows and the chunk
+            if req.side_rows:
+                rows = side[req.side_slot, : req.side_rows]  # [n, 2, H, D], model dtype
+                k, v = torch.cat((rows[:, 0], k)), torch.cat((rows[:, 1], v))
+            prefill_cpu.attend_paged(q, k, v, out[req.qs : req.qe], scale, pages, p.pids, fmt.layout())
+            return
         if p.context:  # the earlier tokens, token-major [context, H, D], then the chunk
             ks, vs = [], []
             if req.packed:  # [p * T, H, D]

@@ -37,9 +37,11 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "page_codes.h"
 #include "simd_exp.h"
 
 namespace {
+using kvtier_pages::code_at;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
@@ -207,13 +209,6 @@ Layout read_layout(const std::vector<int64_t>& lay) {
                  lay[8], lay[9], lay[10], lay[11], lay[12], lay[13], lay[14]};
   TORCH_CHECK(L.vb == 4 || (L.vb == 3 && L.D % 8 == 0), "layout: value codes of 4 or 3 bits (D % 8 == 0)");
   return L;
-}
-
-// Code of channel d of a D-channel row of vb-bit codes (4: nibbles, low first; 3: a 2-bit plane, then
-// a 1-bit plane holding each code's bit 2)
-inline int code_at(const uint8_t* row, int64_t d, int64_t vb, int64_t D) {
-  if (vb == 4) return (row[d / 2] >> (4 * (d & 1))) & 15;
-  return ((row[d / 4] >> (2 * (d & 3))) & 3) | (((row[D / 4 + d / 8] >> (d & 7)) & 1) << 2);
 }
 
 // Inverse of code_at for a whole row: codes [D] (< 2**vb) into row [D * vb / 8]
