@@ -69,7 +69,7 @@ def decode_rows(fmt: PageFormat, pages: torch.Tensor, ids: list[int], dtype: tor
 
 
 class VllmPrefill:
-    """Prefill chunks of one engine through vLLM's CPU attention (see the module docstring)."""
+    """Prefill chunks of one engine: kvtier's bf16 kernel or vLLM's CPU attention (see the module docstring)."""
 
     def __init__(
         self,
