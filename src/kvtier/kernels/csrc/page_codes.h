@@ -1,6 +1,10 @@
-// Codes of kvtier's packed vLLM pages (kvtier/vllm/pages.py), shared by the page and prefill kernels.
+// Codes of kvtier's packed vLLM pages (kvtier/vllm/pages.py) and the bf16 hi + lo split of a row scored
+// against them, shared by the page and prefill kernels.
 #pragma once
 #include <cstdint>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace kvtier_pages {
 
@@ -10,5 +14,18 @@ inline int code_at(const uint8_t* row, int64_t d, int64_t vb, int64_t D) {
   if (vb == 4) return (row[d / 2] >> (4 * (d & 1))) & 15;
   return ((row[d / 4] >> (2 * (d & 3))) & 3) | (((row[D / 4 + d / 8] >> (d & 7)) & 1) << 2);
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// 32 fp32 x as bf16 hi + lo, each 32 bf16 in order (hi = bf16(x), lo = bf16(x - hi): x to ~2^-17 of
+// itself), so that hi . c + lo . c is x . c for codes c exact in bf16
+inline void split_bf16_32(const float* x, __m512i& hi, __m512i& lo) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const __m512i h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
+  const __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+  const __m512 hb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+  hi = h;
+  lo = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha)));
+}
+#endif
 
 }  // namespace kvtier_pages

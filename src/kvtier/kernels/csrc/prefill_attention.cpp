@@ -55,7 +55,6 @@ inline __m512 dot(__m512 acc, __m512i a, __m512i b) {
 
 constexpr int QT = 16;  // query tokens per task
 
-
 // bf16 bits of a small integer (|c| <= 256: exact in bf16)
 inline uint16_t int_bf16(int c) {
   const float f = static_cast<float>(c);
@@ -71,15 +70,13 @@ inline float bf16_to_float(uint16_t x) {
   return f;
 }
 
-// x [n] fp32 (n a multiple of 32) as bf16 hi + lo dword pairs (hi = bf16(x), lo = bf16(x - hi))
+// x [n] fp32 (n a multiple of 32) as bf16 hi + lo dword pairs (kvtier_pages::split_bf16_32)
 inline void split_pairs(const float* x, int64_t n, uint32_t* hi, uint32_t* lo) {
   for (int64_t j = 0; j < n; j += 32) {
-    const __m512 a = _mm512_loadu_ps(x + j), b = _mm512_loadu_ps(x + j + 16);
-    const __m512i h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
-    const __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
-    const __m512 hb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+    __m512i h, l;
+    kvtier_pages::split_bf16_32(x + j, h, l);
     _mm512_storeu_si512(hi + j / 2, h);
-    _mm512_storeu_si512(lo + j / 2, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha))));
+    _mm512_storeu_si512(lo + j / 2, l);
   }
 }
 
@@ -282,7 +279,7 @@ void* scratch(int slot, size_t bytes) {
 
 // keys of head h into kp [ceil(L/16)][D/2][16] dwords (zero past L): the first pg.P from the pages'
 // codes (as bf16 integers), then the exact rows of k
-void pack_keys(const torch::Tensor& k, const Pages& pg, int64_t h, int64_t D, int64_t H, uint32_t* kp) {
+void pack_keys(const torch::Tensor& k, const Pages& pg, int64_t h, int64_t D, uint32_t* kp) {
   const int64_t Le = k.size(0), L = pg.P + Le, NP = D / 2, s0 = k.stride(0), s1 = k.stride(1);
   const uint16_t* base = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()) + h * s1;
   const int64_t blocks = (L + 15) / 16;
@@ -302,7 +299,6 @@ void pack_keys(const torch::Tensor& k, const Pages& pg, int64_t h, int64_t D, in
       }
     }
   }
-  (void)H;
 }
 
 // values of head h into vp [ceil(L/2)][D/16][16] dwords: lane c of (pair m, vector d) holds
@@ -354,7 +350,7 @@ void attend_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
     for (int64_t t = b; t < e; ++t) {
       const int64_t h = t / 2;
       if (t % 2 == 0) {
-        pack_keys(k, pg, h, D, H, kp + h * kstride);
+        pack_keys(k, pg, h, D, kp + h * kstride);
         std::memset(kp + h * kstride + kblocks * NP * 16, 0, sizeof(uint32_t) * (kstride - kblocks * NP * 16));
       } else {
         pack_values(v, pg, h, D, vp + h * vstride, vsf + h * pg.P, vszf + h * pg.P);

@@ -127,15 +127,7 @@ inline __m512i codes32_bf16(const uint8_t* c) {
 // fp32 row x [64] as bf16 hi + lo (hi = bf16(x), lo = bf16(x - hi): x to ~2^-17 of itself), each
 // two vectors of 32 in channel order
 inline void split_bf16(const float* x, __m512i* hi, __m512i* lo) {
-  for (int j = 0; j < 2; ++j) {
-    const __m512 a = _mm512_loadu_ps(x + 32 * j), b = _mm512_loadu_ps(x + 32 * j + 16);
-    const __m512i h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
-    const __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
-    const __m512 hb =
-        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
-    hi[j] = h;
-    lo[j] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha)));
-  }
+  for (int j = 0; j < 2; ++j) kvtier_pages::split_bf16_32(x + 32 * j, hi[j], lo[j]);
 }
 
 inline __m512 dotbf(__m512 acc, __m512i a, __m512i b) {
