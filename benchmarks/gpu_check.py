@@ -12,7 +12,11 @@ One command on a CUDA machine (needs only torch, triton and transformers; no net
    32k and 128k tokens: kvtier (hot exact + warm 4-bit + cold 1-bit) against bf16 SDPA (and
    FlashAttention when installed) over the dense cache;
 4. end-to-end decode tokens/s of a randomly initialized small Llama (built from ``LlamaConfig``):
-   ``kvtier.TieredCache`` + ``kvtier.enable(model)`` against ``DynamicCache``.
+   ``kvtier.TieredCache`` + ``kvtier.enable(model)`` against ``DynamicCache``;
+5. vLLM packed pages (``kvtier.kernels.triton_pages``, the page format of ``kvtier.vllm``): one
+   step of decode rows and a prefill chunk over pages, side rows and a block read in part against
+   the torch path, then a decode step of 48 requests x 2k tokens (SmolLM2 and Llama-3-8B layer
+   shapes) against bf16 SDPA over the same requests' exact K/V.
 
 It prints a table per part and ends with one JSON line; exit status 1 when a check fails.
 ``--dry-run`` runs every code path on the CPU (Triton's interpreter, tiny sizes; times mean nothing).
@@ -60,6 +64,10 @@ class Sizes:
     prompts: tuple[int, ...]
     new_tokens: int
     iters: int
+    page_reqs: int = 48
+    page_context: int = 2048
+    page_block: int = 128
+    page_shapes: tuple[tuple[int, int, int], ...] = ((3, 9, 64), (8, 32, 128))  # (KV heads, query heads, D)
 
 
 FULL = Sizes(
@@ -75,7 +83,7 @@ DRY = Sizes(
     bw_tokens=32, bw_heads=((2, 1), (1, 4)), step_heads=2, contexts=(72, 120), hot=8, warm=16, sinks=2,
     model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, vocab_size=97),
-    prompts=(40,), new_tokens=3, iters=1,
+    prompts=(40,), new_tokens=3, iters=1, page_reqs=3, page_context=64, page_block=32, page_shapes=((2, 4, 16),),
 )  # fmt: skip
 
 
@@ -95,6 +103,11 @@ STEP_COLS = [
     ("sdpa bf16 ms", "sdpa ms", ".4f"), ("flash ms", "flash ms", ".4f"), ("kvtier ms", "kvtier ms", ".4f"),
     ("kernels ms", "kernels-only ms", ".4f"), ("speedup vs sdpa", "x sdpa", ".2f"),
     ("speedup vs flash", "x flash", ".2f"),
+]  # fmt: skip
+PAGE_COLS = [
+    ("shape", "H/Hq/D", "s"), ("policy", "policy", "s"), ("err", "err vs torch", ".2e"), ("ok", "ok", ""),
+    ("MB", "pages MB", ".1f"), ("dense MB", "bf16 MB", ".1f"), ("ms", "kvtier ms", ".4f"),
+    ("sdpa ms", "sdpa bf16 ms", ".4f"), ("x sdpa", "x sdpa", ".2f"), ("GB/s", "GB/s", ".0f"),
 ]  # fmt: skip
 COMPILE_COLS = [("kernel", "kernel", "s"), ("ok", "ok", ""), ("registers", "registers", "d"), ("stack", "spill B", "d"),
                 ("s", "compile s", ".1f")]  # fmt: skip
@@ -501,7 +514,138 @@ def run_e2e(sz: Sizes, device) -> list[dict]:
     return rows
 
 
+# --- 5. vLLM packed pages -------------------------------------------------------------------------------
+
+
+def page_step(fmt, T: int, lengths: list[int], news: list[int], device, seed: int = 0):
+    """A step of ``len(lengths)`` requests over packed pages: request ``r`` has ``lengths[r]`` tokens from
+    earlier steps (full blocks packed, the rest exact in a side slot) and ``news[r]`` new ones.
+    Returns ``(plan, pages, side, new tokens)``; tensors on ``device``."""
+    import torch
+
+    from kvtier.vllm.paged import SideBuffer, plan_step
+
+    g = torch.Generator().manual_seed(seed)
+    H, D, dt = fmt.heads, fmt.head_dim, fmt.dtype
+    nblocks = [-(-(c + n) // T) for c, n in zip(lengths, news)]
+    sidebuf = SideBuffer(len(lengths), T, H, D, dt)
+    pages = torch.zeros(sum(nblocks) + 1, fmt.page_bytes, dtype=torch.uint8, device=device)
+    table, writes, nxt = [], [], 1
+    for c, nb in zip(lengths, nblocks):
+        ids = list(range(nxt, nxt + nb))
+        nxt += nb
+        table.append(ids)
+        full = c // T
+        if full:
+            k = (torch.randn(full, H, T, D, generator=g) * torch.linspace(0.2, 3, D)).to(dt)
+            v = torch.randn(full, H, T, D, generator=g).to(dt)
+            pages[ids[:full]] = fmt.encode(k.to(device), v.to(device))
+        if c % T:
+            writes.append((sidebuf.assign(ids[full], set()), c % T))
+    width = max(nblocks)
+    bt = torch.tensor([ids + [0] * (width - len(ids)) for ids in table])
+    qsl = [0]
+    for n in news:
+        qsl.append(qsl[-1] + n)
+    plan = plan_step(sidebuf, qsl, [c + n for c, n in zip(lengths, news)], bt, qsl[-1])
+    side = torch.zeros(max(1, sidebuf.allocated), T, 2, H, D, dtype=dt)
+    for slot, rows in writes:
+        side[slot, :rows] = torch.randn(rows, 2, H, D, generator=g).to(dt)
+    return plan, pages, side.to(device), qsl[-1]
+
+
+def run_vllm_pages(sz: Sizes, device, timer: Timer) -> list[dict]:
+    """The Triton page kernel against the torch path (one awkward step), then a decode step's time."""
+    import torch
+    import torch.nn.functional as F
+
+    from kvtier.vllm.paged import attend_layer, attend_layer_triton
+    from kvtier.vllm.pages import PageFormat, PagePolicy
+
+    T, C, R = sz.page_block, sz.page_context, sz.page_reqs
+    policies = {
+        "default": PagePolicy(block_size=T),
+        "compact": PagePolicy(block_size=T, value_bits=3),  # the rotation happens outside the kernel
+        "sinks+kg32": PagePolicy(block_size=T, sink_tokens=4, key_group=32),
+    }
+    rows = []
+    for H, Hq, D in sz.page_shapes:
+        for name, policy in policies.items():
+            fmt = PageFormat(policy, H, D, torch.bfloat16)
+            # correctness: decode rows, a prefill chunk, lengths off block boundaries, a short request
+            lengths = [C + 3, C // 2 + T - 1, 5, 2 * T]
+            news = [1, 37, 1, 4]
+            plan, pages, side, N = page_step(fmt, T, lengths, news, device, seed=1)
+            g = torch.Generator().manual_seed(2)
+            q, k, v = (torch.randn(N, h, D, generator=g).bfloat16() for h in (Hq, H, H))
+            got = attend_layer_triton(fmt, plan, pages, side, q.to(device), k.to(device), v.to(device), D**-0.5)
+            ref = attend_layer(fmt, plan, pages.cpu(), side.cpu(), q, k, v, D**-0.5)
+            err = (got.cpu().double() - ref.double()).abs().max().item()
+            row = {"shape": f"{H}/{Hq}/{D}", "policy": name, "err": err, "ok": err <= 1e-4}
+            # speed: R decode rows over C tokens each (all full blocks) + 1 new token
+            plan, pages, side, N = page_step(fmt, T, [C] * R, [1] * R, device, seed=3)
+            q = torch.randn(R, Hq, D, device=device, dtype=torch.bfloat16)
+            kn, vn = torch.randn(2, R, H, D, device=device, dtype=torch.bfloat16)
+            out = torch.empty_like(q)
+            attend = functools.partial(attend_layer_triton, fmt, plan, pages, side, q, kn, vn, D**-0.5, out=out)
+            row["ms"] = timer(attend)
+            row["MB"] = (R * (C // T) * fmt.page_bytes + 2 * kn.numel() * 2 + 2 * q.numel() * 2) / 1e6
+            row["GB/s"] = row["MB"] / row["ms"]
+            kd = torch.randn(R, H, C + 1, D, device=device, dtype=torch.bfloat16)
+            vd = torch.randn(R, H, C + 1, D, device=device, dtype=torch.bfloat16)
+            qd = q.view(R, Hq, 1, D)
+            row["dense MB"] = 2 * kd.numel() * 2 / 1e6
+            sdpa = functools.partial(F.scaled_dot_product_attention, qd, kd, vd, scale=D**-0.5, enable_gqa=True)
+            row["sdpa ms"] = timer(sdpa)
+            row["x sdpa"] = row["sdpa ms"] / row["ms"]
+            rows.append(row)
+            del kd, vd, pages
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
 # --- 0. ahead-of-time compilation (no GPU) ------------------------------------------------------------
+
+
+def _page_variants() -> list[tuple]:
+    """The vLLM page kernels (``kvtier.kernels.triton_pages``) as launched for the two layer shapes of
+    part 5, decode rows and a prefill chunk: (name, kernel, signature types, constants, warps)."""
+    import torch
+
+    from kvtier.kernels import triton_decode as td
+    from kvtier.kernels import triton_pages as tp
+    from kvtier.vllm.pages import PageFormat, PagePolicy
+
+    out = []
+    for (H, Hq, D), policy, R in (
+        ((3, 9, 64), PagePolicy(), 1),
+        ((3, 9, 64), PagePolicy(value_bits=3), 256),
+        ((8, 32, 128), PagePolicy(value_bits=3), 1),
+        ((8, 32, 128), PagePolicy(sink_tokens=4, key_group=32), 256),
+    ):
+        fmt = PageFormat(policy, H, D, torch.bfloat16)
+        lay = dict(zip(tp.LAYOUT_FIELDS, fmt.layout()))
+        types = {a: "*bf16" for a in ("Q", "KN", "VN", "Side", "PagesS")}
+        types |= {"Pages": "*u8", "Pages16": "*fp16", "OutPart": "*fp32", "LsePart": "*fp32", "scale": "fp32"}
+        types |= {a: "*i64" for a in ("Reqs", "Pstart", "Pids")}
+        types |= {a: "i32" for a in ("row_tiles", "num_splits", "page_bytes", "side_slot_stride")}
+        G = Hq // H
+        tile = tp.tiles(G * R, D)
+        consts = dict(H=H, G=G, D=D, T=lay["tokens"], KG=lay["key_group"], VG=lay["value_group"],
+                      SINK=lay["sink_tokens"], SINK_ISZ=2, O_KS=lay["kscale"], O_KZ=lay["kzero"],
+                      O_VS=lay["vscale"], O_VZ=lay["vzero"], O_SINK=lay["sink"], O_KC=lay["kcodes"],
+                      O_VC=lay["vcodes"], KP=D * policy.bits // 8, VP=D * policy.vbits // 8,
+                      BLOCK_R=tile["BLOCK_R"], BLOCK_T=tile["BLOCK_T"], BLOCK_D=tile["BLOCK_D"])  # fmt: skip
+        consts |= {f"K{k}": x for k, x in td._plane_spec(policy.bits, D).items()}
+        consts |= {f"V{k}": x for k, x in td._plane_spec(policy.vbits, D).items()}
+        name = f"pages b{policy.bits}/{policy.vbits} s{policy.sink_tokens} {H}/{Hq}/{D} rows {G * R}"
+        out.append((name, tp._page_split_kernel, types, consts, tile["num_warps"]))
+        merge = {"OutPart": "*fp32", "LsePart": "*fp32", "Out": "*bf16", "Reqs": "*i64", "row_tiles": "i32",
+                 "num_splits": "i32"}  # fmt: skip
+        mconsts = dict(H=H, G=G, D=D, OUT_BF16=True, BLOCK_R=tile["BLOCK_R"], BLOCK_D=tile["BLOCK_D"])
+        out.append((f"pages merge {H}/{Hq}/{D} rows {G * R}", tp._page_merge_kernel, merge, mconsts, tile["num_warps"]))
+    return out
 
 
 def run_compile_only(sm: int) -> list[dict]:
@@ -542,20 +686,22 @@ def run_compile_only(sm: int) -> list[dict]:
         types = packed | {a: "*fp32" if affine == 0 else "*fp16" for a in ("KA", "KB", "VA", "VB")}
         mode = ["ab", "scale_zero", "scale_mean"][affine]
         name = f"packed {bits}-bit {mode}{' csr+row mask' if sparse else ''} R={R}"
-        variants.append((name, td._packed_split_kernel, types, consts))
+        variants.append((name, td._packed_split_kernel, types, consts, 4))
     for dt, mask in (("bf16", True), ("fp16", False), ("fp32", True)):
         BN = max(2, min(64, td.TILE_ELEMENTS // (2 * BD)))
         consts = dict(D=D, HAS_MASK=mask, BLOCK_R=2, BLOCK_N=BN, BLOCK_D=BD)
         types = exact | {"K": f"*{dt}", "V": f"*{dt}"}
-        variants.append((f"exact {dt}{' mask' if mask else ''}", td._exact_split_kernel, types, consts))
-    variants.append(("merge splits", td._merge_splits_kernel, merge, dict(D=D, BLOCK_R=2, BLOCK_D=BD)))
+        variants.append((f"exact {dt}{' mask' if mask else ''}", td._exact_split_kernel, types, consts, 4))
+    variants.append(("merge splits", td._merge_splits_kernel, merge, dict(D=D, BLOCK_R=2, BLOCK_D=BD), 4))
+    variants += _page_variants()
     rows = []
-    for name, fn, types, consts in variants:
+    for name, fn, types, consts, warps in variants:
         sig = {a: types[a] if a in types else "constexpr" for a in fn.arg_names}
         t0 = time.perf_counter()
         row = {"kernel": name, "sm": sm}
         try:
-            compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target)
+            src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+            compiled = triton.compile(src, target=target, options={"num_warps": warps})
             row["ok"] = True
         except Exception as err:  # noqa: BLE001 - reported per variant
             row["ok"], row["error"] = False, f"{type(err).__name__}: {str(err)[:300]}"
@@ -623,11 +769,14 @@ def main(argv=None) -> int:
     e2e = run_e2e(sz, device)
     title = f"end to end: random Llama, {sz.model['num_hidden_layers']} layers, {sz.new_tokens} new tokens"
     table(title, e2e, E2E_COLS)
-    correct = all(c["ok"] for c in checks)
+    pages = run_vllm_pages(sz, device, timer)
+    title = f"vLLM packed pages: correctness, then a decode step of {sz.page_reqs} requests x {sz.page_context} tokens"
+    table(title, pages, PAGE_COLS)
+    correct = all(c["ok"] for c in checks) and all(r["ok"] for r in pages)
     print(f"\ncorrectness: {'all ok' if correct else 'FAILED'} | total {time.perf_counter() - t_start:.1f} s")
     result = {
         "device": name, "dry_run": args.dry_run, "peak_gbps": peak, "peak_source": peak_src, "correct": correct,
-        "checks": checks, "kernels": kernels, "decode_step": steps, "e2e": e2e,
+        "checks": checks, "kernels": kernels, "decode_step": steps, "e2e": e2e, "vllm_pages": pages,
     }  # fmt: skip
     print(json.dumps(result, default=float))
     return 0 if correct else 1

@@ -343,10 +343,12 @@ def _module_level_imports(tree):
 
 
 def test_cpu_use_never_imports_triton():
-    """Only ``triton_decode`` imports Triton, and no module imports it or ``dispatch`` at import time:
-    CPU-only use of kvtier never loads Triton (``partials`` imports ``dispatch`` inside its CUDA branch)."""
+    """Only the Triton kernel modules (``triton_decode``, ``triton_pages``) import Triton, and no other
+    module imports them or ``dispatch`` at import time: CPU-only use of kvtier never loads Triton
+    (``partials`` imports ``dispatch`` inside its CUDA branch, ``kvtier.vllm.paged`` ``triton_pages``
+    inside ``attend_layer_triton``)."""
     for path in (ROOT / "src" / "kvtier").rglob("*.py"):
-        if path.name == "triton_decode.py":
+        if path.name in ("triton_decode.py", "triton_pages.py"):
             continue
         for node in _module_level_imports(ast.parse(path.read_text())):
             names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]

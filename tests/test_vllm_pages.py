@@ -20,6 +20,7 @@ from kvtier.vllm.paged import (
     SideSlotLost,
     attend_layer,
     attend_layer_fused,
+    attend_layer_triton,
     plan_step,
     update_layer,
     update_layer_fused,
@@ -114,13 +115,18 @@ def test_round_trip_bound(policy: PagePolicy) -> None:
 class FakeEngine:
     """Block ids, side buffer, pages and the reference K/V of each request."""
 
-    def __init__(self, policy: PagePolicy, slots: int = 8, blocks: int = 64, attend=attend_layer, oracle=None):  # noqa: ANN001
-        self.attend, self.oracle = attend, oracle  # oracle: a torch path the step is compared with instead
-        # the fused paths pack in C++ too (4-bit pages), the torch path in torch
-        self.update = update_layer if attend is attend_layer or not policy.kernel_codes else update_layer_fused
-        self.fmt = PageFormat(policy, H, D, torch.bfloat16)
+    def __init__(
+        self, policy: PagePolicy, slots: int = 8, blocks: int = 64, attend=attend_layer, oracle=None,  # noqa: ANN001
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:  # fmt: skip
+        # oracle: a torch path the step is compared with instead of the float64 reference
+        self.attend, self.oracle, self.dtype = attend, oracle, dtype
+        # the fused paths pack in C++ too (4-bit pages); the torch and Triton paths in torch
+        torch_update = attend is attend_layer or getattr(attend, "torch_update", False)
+        self.update = update_layer if torch_update or not policy.kernel_codes else update_layer_fused
+        self.fmt = PageFormat(policy, H, D, dtype)
         self.T = policy.block_size
-        self.side = SideBuffer(slots, self.T, H, D, torch.bfloat16)
+        self.side = SideBuffer(slots, self.T, H, D, dtype)
         self.pages = torch.zeros(blocks, self.fmt.page_bytes, dtype=torch.uint8)
         self.next_block = 1
         self.table: dict[str, list[int]] = {}
@@ -129,8 +135,8 @@ class FakeEngine:
         self.done: dict[str, int] = {}
 
     def add(self, name: str, length: int, share: tuple[str, int] | None = None) -> None:
-        self.k[name] = torch.randn(length, H, D).bfloat16()
-        self.v[name] = torch.randn(length, H, D).bfloat16()
+        self.k[name] = torch.randn(length, H, D).to(self.dtype)
+        self.v[name] = torch.randn(length, H, D).to(self.dtype)
         self.table[name], self.done[name] = [], 0
         if share:  # a prefix-cache hit: the other request's first full blocks, same tokens
             other, nblocks = share
@@ -154,7 +160,7 @@ class FakeEngine:
             lens.append(c + q)
         width = max(len(self.table[n]) for n in names)
         bt = torch.tensor([self.table[n] + [0] * (width - len(self.table[n])) for n in names])
-        q_all = torch.randn(qsl[-1], HQ, D).bfloat16()
+        q_all = torch.randn(qsl[-1], HQ, D).to(self.dtype)
         k_new = torch.cat([self.k[n][self.done[n] : self.done[n] + sched[n]] for n in names])
         v_new = torch.cat([self.v[n][self.done[n] : self.done[n] + sched[n]] for n in names])
         packed_before = set(self.side.packed)
@@ -241,14 +247,47 @@ def fused_split(*args):  # noqa: ANN002, ANN201
         torch.set_num_threads(old)
 
 
+def triton_dense(*args):  # noqa: ANN002, ANN201
+    """The Triton kernel (interpreted on the CPU), splits picked as on a device."""
+    return attend_layer_triton(*args)
+
+
+def triton_split(*args):  # noqa: ANN002, ANN201
+    """The Triton kernel (interpreted on the CPU) with 3 splits per (request, head, row tile): pages,
+    the block read in part and the exact unit land in different splits and are merged."""
+    return attend_layer_triton(*args, num_splits=3)
+
+
+def triton_bf16(*args, out):  # noqa: ANN002, ANN001, ANN201
+    """The Triton kernel writing a bf16 output in place."""
+    return attend_layer_triton(*args, out=out)
+
+
+triton_bf16.bf16_out = True
+for _f in (triton_dense, triton_split, triton_bf16):
+    _f.torch_update = True  # packing on a GPU: update_layer (torch)
+
+
+def _triton_available() -> bool:
+    try:
+        from kvtier.kernels import triton_pages  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 _NO_KERNEL = pytest.mark.skipif(not vllm_paged_cpu.available(), reason="no C++ build")
+_NO_TRITON = pytest.mark.skipif(not _triton_available(), reason="no Triton")
 ATTEND = [
     attend_layer,
     pytest.param(attend_layer_fused, marks=_NO_KERNEL),
     pytest.param(fused_only, marks=_NO_KERNEL),
     pytest.param(fused_bf16, marks=_NO_KERNEL),
     pytest.param(fused_split, marks=_NO_KERNEL),
+    pytest.param(triton_dense, marks=_NO_TRITON),
 ]
+#: the Triton variants the interpreter runs on the small cases only (it runs every program in Python)
+ATTEND_SMALL = [pytest.param(triton_split, marks=_NO_TRITON), pytest.param(triton_bf16, marks=_NO_TRITON)]
 
 
 @pytest.mark.parametrize("attend", ATTEND)
@@ -277,7 +316,7 @@ def test_steps_against_reference(policy: PagePolicy, attend) -> None:  # noqa: A
     assert eng.side.slot_of and all(b not in eng.side.packed for b in eng.side.slot_of)
 
 
-@pytest.mark.parametrize("attend", ATTEND)
+@pytest.mark.parametrize("attend", ATTEND + ATTEND_SMALL)
 def test_recomputed_last_token_of_cached_block(attend) -> None:  # noqa: ANN001
     """A prompt that is all cached blocks: vLLM recomputes its last token into a packed block."""
     torch.manual_seed(2)
@@ -490,3 +529,55 @@ def test_fused_paths_refuse_codes_the_kernel_cannot_read() -> None:
             attend_layer_fused(*args, x, x, x, 1.0)
         with pytest.raises(ValueError, match="4-bit keys with 4- or 3-bit values"):
             update_layer_fused(*args, x, x)
+
+
+@_NO_TRITON
+@pytest.mark.parametrize(
+    "policy, dtype, attend",
+    [
+        (PagePolicy(block_size=32, bits=2, value_bits=8, sink_tokens=3), torch.float32, triton_split),
+        (PagePolicy(block_size=64, bits=8, value_bits=2, key_group=16, value_group=32), torch.float16, triton_dense),
+        (PagePolicy(block_size=32, bits=3, value_bits=4, sink_tokens=1, value_group=8), torch.bfloat16, triton_bf16),
+    ],
+)
+def test_triton_kernel_reads_every_page_code_width(policy: PagePolicy, dtype: torch.dtype, attend) -> None:  # noqa: ANN001
+    """The Triton kernel reads pages of any code width (the C++ kernels: 4-bit keys only), exact sinks in
+    fp32 / fp16 / bf16, key groups smaller than a block, narrow value groups: against the float64 reference."""
+    torch.manual_seed(7)
+    eng = FakeEngine(policy, attend=attend, dtype=dtype)
+    T = policy.block_size
+    eng.add("a", 3 * T + 5)
+    eng.add("b", 2 * T + 9)
+    eng.step({"a": T + 3, "b": T - 1})
+    eng.step({"a": 1, "b": T + 2})
+    eng.add("c", 3 * T, share=("a", 1))
+    eng.step({"a": 2, "b": 1, "c": 5})
+    eng.step({"c": 1}, rewind={"c": T - 1})  # a cached block read in part
+
+
+@_NO_TRITON
+def test_triton_path_refusals() -> None:
+    """Sparse decode has no Triton path (refused, not silently dense); a layout that does not match the
+    pages, or index tensors on another device or dtype, are refused with one line."""
+    from kvtier.kernels import triton_pages
+
+    eng = FakeEngine(PagePolicy(block_size=32, sparse_mass=0.9))
+    eng.add("a", 40)
+    plan = plan_step(eng.side, [0, 40], [40], torch.tensor([[1, 2]]), 40)
+    q, k, v = torch.randn(40, HQ, D), torch.randn(40, H, D), torch.randn(40, H, D)
+    side = eng.side.layer("layer0")
+    with pytest.raises(ValueError, match="sparse_mass has no Triton path"):
+        attend_layer_triton(eng.fmt, plan, eng.pages, side, q, k, v, 0.1)
+    fmt = PageFormat(PagePolicy(block_size=32), H, D, torch.bfloat16)
+    pages = torch.zeros(4, fmt.page_bytes, dtype=torch.uint8)
+    idx = paged.triton_index(plan, q.device)
+    args = (q, k, v, side, pages, idx["reqs"], idx["pstart"], idx["pids"], torch.empty_like(q), 0.1)
+    kw = {"max_query": 40, "max_units": 3}
+    with pytest.raises(ValueError, match="layout has"):
+        triton_pages.attend(*args, fmt.layout()[:-1], 4, **kw)
+    with pytest.raises(ValueError, match="pages"):
+        triton_pages.attend(*args[:4], pages[:, 1:], *args[5:], fmt.layout(), 4, **kw)
+    with pytest.raises(ValueError, match="int64"):
+        triton_pages.attend(*args[:5], idx["reqs"].int(), *args[6:], fmt.layout(), 4, **kw)
+    with pytest.raises(ValueError, match="contiguous"):
+        triton_pages.attend(q.transpose(0, 1).contiguous().transpose(0, 1), *args[1:], fmt.layout(), 4, **kw)

@@ -136,6 +136,8 @@ class StepPlan:
     write_tokens: torch.Tensor | None = None
     #: the fused kernel's index tensors (:func:`kernel_index`), built once per step
     index: dict[str, torch.Tensor] | None = None
+    #: the Triton kernel's (:func:`triton_index`), on its device
+    triton: dict | None = None
 
 
 def plan_step(
@@ -358,6 +360,23 @@ def fused_takes(req: RequestPlan) -> bool:
     return n <= KERNEL_MAX_QUERY or (bool(req.packed or req.head_rows) and n <= KERNEL_MAX_CHUNK)
 
 
+def _request_index(requests: list[RequestPlan]) -> tuple[list, list[int], list[int]]:
+    """Per request ``(qs, qe, side slot, side rows, block read in part, its rows)``, and the packed
+    blocks of all of them as ``pstart`` offsets into ``pids`` (the kernels' index lists)."""
+    rows, pstart, pids = [], [0], []
+    for req in requests:
+        pids.extend(req.packed)
+        pstart.append(len(pids))
+        side_slot = req.side_slot if req.side_rows else 0
+        rows.append((req.qs, req.qe, side_slot, req.side_rows, max(req.head_block, 0), req.head_rows))
+    return rows, pstart, pids
+
+
+def _long(x: list, n: int = 0, device: torch.device | None = None) -> torch.Tensor:
+    t = torch.tensor(x, dtype=torch.long, device=device)
+    return t.view(-1, n) if n else t
+
+
 def kernel_index(plan: StepPlan) -> dict:
     """Index tensors of the fused kernels for ``plan`` (built once per step, cached on it): the
     requests :func:`fused_takes` (``reqs [R, 6]``: new tokens,
@@ -365,27 +384,35 @@ def kernel_index(plan: StepPlan) -> dict:
     ``pids``), the other requests (``rest``), the blocks to pack (``enc [E, 4]``: page, side slot,
     side rows, first new token) and the side writes (``writes [W, 2]``: side row, new token)."""
     if plan.index is None:
-        reqs, pstart, pids, rest = [], [0], [], []
-        for req in plan.requests:
-            if not fused_takes(req):
-                rest.append(req)
-                continue
-            pids.extend(req.packed)
-            pstart.append(len(pids))
-            side_slot = req.side_slot if req.side_rows else 0
-            reqs.append((req.qs, req.qe, side_slot, req.side_rows, max(req.head_block, 0), req.head_rows))
+        taken = [req for req in plan.requests if fused_takes(req)]
+        reqs, pstart, pids = _request_index(taken)
         enc = [(b, max(slot, 0), start, first) for b, (slot, start, first) in zip(plan.encode_blocks, plan.encode_src)]
-        t = lambda x, n: torch.tensor(x, dtype=torch.long).view(-1, n) if n else torch.tensor(x, dtype=torch.long)  # noqa: E731
-        writes = torch.stack((plan.write_rows, plan.write_tokens), 1) if plan.write_rows is not None else t([], 2)
+        writes = torch.stack((plan.write_rows, plan.write_tokens), 1) if plan.write_rows is not None else _long([], 2)
         plan.index = {
-            "reqs": t(reqs, 6),
-            "pstart": t(pstart, 0),
-            "pids": t(pids, 0),
-            "rest": rest,
-            "enc": t(enc, 4),
+            "reqs": _long(reqs, 6),
+            "pstart": _long(pstart),
+            "pids": _long(pids),
+            "rest": [req for req in plan.requests if not fused_takes(req)],
+            "enc": _long(enc, 4),
             "writes": writes.contiguous(),
         }
     return plan.index
+
+
+def triton_index(plan: StepPlan, device: torch.device) -> dict:
+    """Index tensors of :func:`attend_layer_triton` on ``device`` (every request of the step; built
+    once per step): ``reqs``, ``pstart``, ``pids`` as in :func:`kernel_index`, and the host ints
+    ``max_query`` (most new tokens of a request) and ``max_units`` (most pages of a request + 2)."""
+    if plan.triton is None or plan.triton["reqs"].device != device:
+        reqs, pstart, pids = _request_index(plan.requests)
+        plan.triton = {
+            "reqs": _long(reqs, 6, device),
+            "pstart": _long(pstart, 0, device),
+            "pids": _long(pids, 0, device),
+            "max_query": max((r.qe - r.qs for r in plan.requests), default=0),
+            "max_units": max((len(r.packed) + 2 for r in plan.requests), default=1),
+        }
+    return plan.triton
 
 
 def _check_kernel_codes(fmt: PageFormat) -> None:
@@ -447,6 +474,37 @@ def attend_layer_fused(
 
 
 @torch.no_grad()
+def attend_layer_triton(
+    fmt: PageFormat,
+    plan: StepPlan,
+    pages: torch.Tensor,
+    side: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """:func:`attend_layer` through the Triton kernel (:mod:`kvtier.kernels.triton_pages`): every request
+    of the step, decode rows and prefill chunks, pages of any :data:`~kvtier.vllm.pages.PAGE_BITS` codes,
+    in one launch (plus a merge); for CUDA tensors (on the CPU under Triton's interpreter). Same
+    arguments and result as :func:`attend_layer` to fp32 rounding; written into ``out [N, Hq, D]``
+    (fp32 or the model dtype) when given. Dense: a ``sparse_mass`` policy is refused."""
+    from ..kernels import triton_pages
+
+    if fmt.policy.sparse_mass is not None:
+        raise ValueError("the Triton page kernel attends densely: PagePolicy.sparse_mass has no Triton path")
+    idx = triton_index(plan, query.device)
+    if out is None:
+        out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+    return triton_pages.attend(
+        query, key, value, side, pages, idx["reqs"], idx["pstart"], idx["pids"], out, scale, fmt.layout(),
+        fmt.policy.bits, max_query=idx["max_query"], max_units=idx["max_units"], num_splits=num_splits,
+    )  # fmt: skip
+
+
+@torch.no_grad()
 def update_layer_fused(
     fmt: PageFormat, plan: StepPlan, pages: torch.Tensor, side: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> None:
@@ -478,10 +536,10 @@ def update_layer(
             vparts.append(value[first_new : first_new + T - start])
             ks.append(torch.cat(kparts).transpose(0, 1))
             vs.append(torch.cat(vparts).transpose(0, 1))
-        ids = torch.tensor(plan.encode_blocks)
+        ids = torch.tensor(plan.encode_blocks, device=pages.device)
         pages[ids] = fmt.encode(torch.stack(ks), torch.stack(vs))
     if plan.write_rows is not None and plan.write_rows.numel():
         flat = side.view(-1, 2, *side.shape[3:])
-        t = plan.write_tokens
-        flat[plan.write_rows, 0] = key[t].to(side.dtype)
-        flat[plan.write_rows, 1] = value[t].to(side.dtype)
+        rows, t = plan.write_rows.to(side.device), plan.write_tokens.to(key.device)
+        flat[rows, 0] = key[t].to(side.dtype)
+        flat[rows, 1] = value[t].to(side.dtype)

@@ -28,9 +28,20 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import quant
 from ..quant import quantize_kbit
-from .blocks import _pack as pack_bits  # kvtier.quant.pack_bits's bytes on int64 words (tested there)
-from .blocks import _unpack as unpack_bits
+from .blocks import _pack, _unpack  # kvtier.quant.pack_bits's bytes on int64 words (tested there), CPU
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`kvtier.quant.pack_bits`'s bytes: the int64-word packer on the CPU, the plain one elsewhere."""
+    return _pack(codes, bits) if codes.device.type == "cpu" else quant.pack_bits(codes, bits)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`."""
+    return _unpack(packed, bits, n) if packed.device.type == "cpu" else quant.unpack_bits(packed, bits, n)
+
 
 #: code widths a packed page may use (keys: ``bits``; values: ``value_bits``)
 PAGE_BITS = (2, 3, 4, 8)
@@ -319,11 +330,11 @@ class PageFormat:
             raise ValueError(f"blocks {tuple(k.shape)}: expected [N, {self.heads}, {self.tokens}, {self.head_dim}]")
         bits, s, kg, vg = self.policy.bits, self.policy.sink_tokens, self.key_group, self.value_group
         if out is None:
-            out = torch.zeros(N, self.page_bytes, dtype=torch.uint8)
+            out = torch.zeros(N, self.page_bytes, dtype=torch.uint8, device=k.device)
         f = self.views(out)
         valid = None
         if s:
-            valid = (torch.arange(T) >= s).view(1, 1, T // kg, kg, 1)
+            valid = (torch.arange(T, device=k.device) >= s).view(1, 1, T // kg, kg, 1)
             f["sink"].copy_(torch.stack((k[:, :, :s], v[:, :, :s]), dim=3))
         kc, ks, kz = quantize_kbit(k.reshape(N, H, T // kg, kg, D), bits, dim=-2, valid=valid)
         f["kscale"].copy_(ks.view(N, H, T // kg, D))
