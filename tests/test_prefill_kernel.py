@@ -146,3 +146,15 @@ def test_paged_prefill_refuses_pages_it_cannot_read() -> None:
     with pytest.raises(RuntimeError, match="multiples of 64"):
         prefill_cpu.attend_paged(x, x, x, x.clone(), 0.125, torch.zeros(1, fmt.page_bytes, dtype=torch.uint8),
                                  torch.zeros(1, dtype=torch.long), fmt.layout())  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", [-1, 2])
+def test_paged_prefill_refuses_page_ids_out_of_range(bad: int) -> None:
+    """A page id outside the pool is refused before anything is read."""
+    from kvtier.vllm.pages import PageFormat, PagePolicy
+
+    fmt = PageFormat(PagePolicy(), 1, 64, torch.bfloat16)
+    x = torch.zeros(4, 1, 64, dtype=torch.bfloat16)
+    pages = torch.zeros(2, fmt.page_bytes, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        prefill_cpu.attend_paged(x, x, x, x.clone(), 0.125, pages, torch.tensor([0, bad]), fmt.layout())

@@ -22,7 +22,8 @@ written in place; blocks packed and side rows written in C++. Prefill chunks go 
 path here, or through vLLM's own kernels in the backend (:mod:`.prefill`). With
 ``PagePolicy.sparse_mass``, decode requests (at most ``SPARSE_MAX_QUERY`` new tokens) read the values
 of only the packed tokens :func:`select_packed` keeps (both paths).
-May import torch, :mod:`.pages` and (lazily) :mod:`kvtier.kernels.vllm_paged_cpu`; never vLLM.
+May import torch, :mod:`.pages`, the partials merge of :mod:`kvtier.attention.partials` and (lazily)
+:mod:`kvtier.kernels.vllm_paged_cpu` / :mod:`kvtier.kernels.triton_pages`; never vLLM.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..attention.partials import Partial, merge
 from ..errors import KVTierError
 from .pages import SPARSE_MAX_QUERY, PageFormat
 
@@ -288,16 +290,7 @@ def _attend_request(
     kn = key[req.qs : req.qe].float().transpose(0, 1).repeat_interleave(G, 0)  # [Hq, n, D]
     vn = value[req.qs : req.qe].float().transpose(0, 1).repeat_interleave(G, 0)
     parts.append(_flash(q, kn, vn, scale, causal=n > 1))  # the chunk over itself
-    if len(parts) == 1:
-        return parts[0][0].transpose(0, 1)
-    m = parts[0][1]
-    for _, lse in parts[1:]:
-        m = torch.maximum(m, lse)
-    ws = [torch.exp(lse - m) for _, lse in parts]
-    num, den = parts[0][0] * ws[0].unsqueeze(-1), ws[0]
-    for (o, _), w in zip(parts[1:], ws[1:]):
-        num, den = num + o * w.unsqueeze(-1), den + w
-    return (num / den.unsqueeze(-1)).transpose(0, 1)
+    return merge([Partial(o, lse) for o, lse in parts]).transpose(0, 1)
 
 
 def select_packed(scores: torch.Tensor, level: float, forced: torch.Tensor) -> torch.Tensor:
