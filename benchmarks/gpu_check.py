@@ -620,6 +620,7 @@ def _page_variants() -> list[tuple]:
     out = []
     for (H, Hq, D), policy, R in (
         ((3, 9, 64), PagePolicy(), 1),
+        ((3, 9, 64), PagePolicy(), 2),
         ((3, 9, 64), PagePolicy(value_bits=3), 256),
         ((8, 32, 128), PagePolicy(value_bits=3), 1),
         ((8, 32, 128), PagePolicy(sink_tokens=4, key_group=32), 256),

@@ -10,7 +10,8 @@ new tokens, causally. Codes are unpacked and dequantized in registers; nothing d
 
 One program serves one (request, KV head, row tile, split). A request's ``G`` query heads per KV
 head times its ``n`` new tokens are its rows (``row = g * n + i``, GQA without ``repeat_kv``), cut
-into tiles of ``BLOCK_R`` rows, so a long prefill chunk is as welcome as a decode row. The units of
+into tiles of ``BLOCK_R`` rows, so a long prefill chunk is as welcome as a decode row (tiles of 16
+rows or more use ``tl.dot``, fewer rows broadcast products, see :func:`tiles`). The units of
 work of a request are its pages, then one exact unit (side rows + new tokens); the splits take
 units ``s, s + S, ...`` (FlashDecoding's split-K) with an online softmax each, and a merge kernel
 combines the splits' normalized partials by log-sum-exp and writes vLLM's output rows in place.
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_decode import _codes, _num_splits, _online_update, _plane_spec, _pow2
+from .triton_decode import TILE_ELEMENTS, _codes, _num_splits, _online_update, _plane_spec, _pow2
 
 #: fields of a layout (``PageFormat.layout()``), in order
 LAYOUT_FIELDS = (
@@ -38,23 +39,38 @@ LAYOUT_FIELDS = (
 #: rows x channels of a program's row tile at most (prefill chunks are cut into tiles): with the tile
 #: sizes of :func:`tiles`, no register spills on sm_90 at head dims 64 and 128 (``gpu_check.py --compile-only``)
 ROW_TILE_ELEMENTS = 2048
+#: rows x tokens x channels of the broadcast product of a tile of fewer than 16 rows (``triton_decode``'s budget)
+PRODUCT_ELEMENTS = TILE_ELEMENTS
 
 
 def tiles(rows: int, head_dim: int) -> dict[str, int]:
     """``BLOCK_R`` (rows of a program), ``BLOCK_T`` (tokens per inner step), ``BLOCK_D`` and
-    ``num_warps`` for requests of at most ``rows`` rows per KV head (``G`` x new tokens)."""
+    ``num_warps`` for requests of at most ``rows`` rows per KV head (``G`` x new tokens). Fewer than 16
+    rows (decode): broadcast products over ``PRODUCT_ELEMENTS``; more: ``tl.dot`` tiles of 16-64 rows."""
     bd = max(16, _pow2(head_dim))
-    br = min(max(16, _pow2(rows)), max(16, ROW_TILE_ELEMENTS // bd))
+    if rows < 16:
+        br = max(2, _pow2(rows))
+        return {"BLOCK_R": br, "BLOCK_T": max(2, min(32, PRODUCT_ELEMENTS // (br * bd))), "BLOCK_D": bd, "num_warps": 8}
+    br = min(_pow2(rows), max(16, ROW_TILE_ELEMENTS // bd))
     return {"BLOCK_R": br, "BLOCK_T": 16 if bd >= 128 else 32, "BLOCK_D": bd, "num_warps": 4 if br * bd <= 1024 else 8}
 
 
 @triton.jit
-def _attend_tile(q, k, v, allowed, m_i, l_i, acc):
-    """One online-softmax step of rows ``q [R, D]`` over keys / values ``[T, D]`` (``allowed [R, T]``)."""
-    sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+def _attend_tile(q, k, v, allowed, m_i, l_i, acc, DOT: tl.constexpr):
+    """One online-softmax step of rows ``q [R, D]`` over keys / values ``[T, D]`` (``allowed [R, T]``):
+    ``tl.dot`` for tiles of 16 rows or more (prefill chunks), broadcast products for fewer (decode rows,
+    which ``tl.dot`` would pad to 16)."""
+    if DOT:
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        sc = tl.sum(q[:, None, :] * k[None, :, :], 2)
     sc = tl.where(allowed, sc, float("-inf"))
     p, alpha, m_i, l_i = _online_update(sc, m_i, l_i)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    if DOT:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.sum(p[:, :, None] * v[None, :, :], 1)
+    acc = acc * alpha[:, None] + pv
     return m_i, l_i, acc
 
 
@@ -141,7 +157,7 @@ def _page_split_kernel(
                     k = tl.where(is_s[:, None], sk, k)
                     v = tl.where(is_s[:, None], sv, v)
                 allowed = r_ok[:, None] & t_ok[None, :]
-                m_i, l_i, acc = _attend_tile(q, k, v, allowed, m_i, l_i, acc)
+                m_i, l_i, acc = _attend_tile(q, k, v, allowed, m_i, l_i, acc, BLOCK_R >= 16)
         else:  # the exact unit: side rows [slot, t, 2, H, D], then the new tokens [N, H, D], causal
             sbase = Side + slot.to(tl.int64) * side_slot_stride + hD
             for st in range(0, side_rows, BLOCK_T):
@@ -151,7 +167,7 @@ def _page_split_kernel(
                 srow = sbase + tt.to(tl.int64)[:, None] * (2 * H * D) + d[None, :]
                 k = tl.load(srow, mask=td_ok, other=0.0).to(tl.float32)
                 v = tl.load(srow + H * D, mask=td_ok, other=0.0).to(tl.float32)
-                m_i, l_i, acc = _attend_tile(q, k, v, r_ok[:, None] & t_ok[None, :], m_i, l_i, acc)
+                m_i, l_i, acc = _attend_tile(q, k, v, r_ok[:, None] & t_ok[None, :], m_i, l_i, acc, BLOCK_R >= 16)
             for j0 in range(0, n, BLOCK_T):
                 jj = j0 + t
                 j_ok = jj < n
@@ -160,7 +176,7 @@ def _page_split_kernel(
                 k = tl.load(KN + np_, mask=jd_ok, other=0.0).to(tl.float32)
                 v = tl.load(VN + np_, mask=jd_ok, other=0.0).to(tl.float32)
                 allowed = r_ok[:, None] & j_ok[None, :] & (jj[None, :] <= i[:, None])
-                m_i, l_i, acc = _attend_tile(q, k, v, allowed, m_i, l_i, acc)
+                m_i, l_i, acc = _attend_tile(q, k, v, allowed, m_i, l_i, acc, BLOCK_R >= 16)
     has = l_i > 0
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     base = pid.to(tl.int64) * num_splits + s
