@@ -528,7 +528,7 @@ def page_step(fmt, T: int, lengths: list[int], news: list[int], device, seed: in
     g = torch.Generator().manual_seed(seed)
     H, D, dt = fmt.heads, fmt.head_dim, fmt.dtype
     nblocks = [-(-(c + n) // T) for c, n in zip(lengths, news)]
-    sidebuf = SideBuffer(len(lengths), T, H, D, dt)
+    sidebuf = SideBuffer(len(lengths), T, H, D, dt, device)
     pages = torch.zeros(sum(nblocks) + 1, fmt.page_bytes, dtype=torch.uint8, device=device)
     table, writes, nxt = [], [], 1
     for c, nb in zip(lengths, nblocks):
@@ -548,10 +548,10 @@ def page_step(fmt, T: int, lengths: list[int], news: list[int], device, seed: in
     for n in news:
         qsl.append(qsl[-1] + n)
     plan = plan_step(sidebuf, qsl, [c + n for c, n in zip(lengths, news)], bt, qsl[-1])
-    side = torch.zeros(max(1, sidebuf.allocated), T, 2, H, D, dtype=dt)
+    side = sidebuf.layer("layer0")
     for slot, rows in writes:
-        side[slot, :rows] = torch.randn(rows, 2, H, D, generator=g).to(dt)
-    return plan, pages, side.to(device), qsl[-1]
+        side[slot, :rows] = torch.randn(rows, 2, H, D, generator=g).to(device, dt)
+    return plan, pages, side, qsl[-1]
 
 
 def run_vllm_pages(sz: Sizes, device, timer: Timer) -> list[dict]:

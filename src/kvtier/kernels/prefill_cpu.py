@@ -24,9 +24,9 @@ from . import build
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_prefill_v6",
+        "kvtier_prefill_v7",
         "prefill_attention.cpp",
-        ["prefill_attend", "prefill_attend_paged", "prefill_supported"],
+        ["prefill_attend", "prefill_attend_paged", "prefill_supported", "prefill_paged_supported"],
         ("-fno-math-errno",),
     )
 
@@ -66,9 +66,9 @@ def attend_paged(
 
 
 def paged_supported(layout: list[int]) -> bool:
-    """Whether :func:`attend_paged` reads pages of this :meth:`~kvtier.vllm.pages.PageFormat.layout`."""
-    H, D, T, kg, vg, s = layout[:6]
-    return T % 64 == 0 and kg % 64 == 0 and T % kg == 0 and s == 0 and vg >= D and layout[14] in (3, 4)
+    """Whether :func:`attend_paged` reads pages of this :meth:`~kvtier.vllm.pages.PageFormat.layout`
+    (the kernel's own rule; False where the kernel is not built)."""
+    return available() and bool(_module().prefill_paged_supported([int(x) for x in layout]))
 
 
 def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

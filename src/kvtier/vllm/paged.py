@@ -19,7 +19,9 @@ request's pages, one SDPA call per request; the oracle every faster path is test
 (:mod:`kvtier.kernels.vllm_paged_cpu`, index tensors made once per step by :func:`kernel_index`):
 decode requests over the pages, the side buffer and the new K/V read in place, vLLM's output
 written in place; blocks packed and side rows written in C++. Prefill chunks go through the torch
-path here, or through vLLM's own kernels in the backend (:mod:`.prefill`). With
+path here, or through vLLM's own kernels in the backend (:mod:`.prefill`). On CUDA tensors
+:func:`attend_layer_triton` attends every request of a step in one Triton launch
+(:mod:`kvtier.kernels.triton_pages`) and :func:`update_layer` packs in torch. With
 ``PagePolicy.sparse_mass``, decode requests (at most ``SPARSE_MAX_QUERY`` new tokens) read the values
 of only the packed tokens :func:`select_packed` keeps (both paths).
 May import torch, :mod:`.pages`, the partials merge of :mod:`kvtier.attention.partials` and (lazily)
@@ -51,10 +53,19 @@ class SideBuffer:
     least recently written one is reused). Per-layer tensors grow on demand up to ``capacity``.
     """
 
-    def __init__(self, capacity: int, tokens: int, heads: int, head_dim: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        capacity: int,
+        tokens: int,
+        heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"side buffer capacity={capacity} is not allowed: expected >= 1")
         self.capacity, self.tokens, self.heads, self.head_dim, self.dtype = capacity, tokens, heads, head_dim, dtype
+        self.device = torch.device(device)
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # block id -> slot, least recently written first
         self.free: list[int] = []
         self.allocated = 0
@@ -67,11 +78,11 @@ class SideBuffer:
         return sum(t.numel() * t.element_size() for t in self.layers.values())
 
     def layer(self, name: str) -> torch.Tensor:
-        """``[allocated, T, 2, H, D]`` exact tokens of ``name``'s partly filled blocks."""
+        """``[allocated, T, 2, H, D]`` exact tokens of ``name``'s partly filled blocks (on ``device``)."""
         t = self.layers.get(name)
         if t is None or t.shape[0] != self.allocated:
             shape = (self.allocated, self.tokens, 2, self.heads, self.head_dim)
-            new = torch.zeros(shape, dtype=self.dtype)
+            new = torch.zeros(shape, dtype=self.dtype, device=self.device)
             if t is not None:
                 new[: t.shape[0]] = t
             self.layers[name] = t = new

@@ -1,12 +1,30 @@
 // Codes of kvtier's packed vLLM pages (kvtier/vllm/pages.py) and the bf16 hi + lo split of a row scored
 // against them, shared by the page and prefill kernels.
 #pragma once
+#include <c10/util/Exception.h>
 #include <cstdint>
+#include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace kvtier_pages {
+
+// PageFormat.layout(): a page's shape, its field offsets in bytes and its value code width
+struct Layout {
+  int64_t H, D, T, kg, vg, s, page;
+  int64_t kscale, kzero, vscale, vzero, sink, kcodes, vcodes;
+  int64_t vb;  // value code width: 4 or 3
+  int64_t vrow() const { return D * vb / 8; }  // bytes of one token's value codes
+};
+
+inline Layout read_layout(const std::vector<int64_t>& lay) {
+  TORCH_CHECK(lay.size() == 15, "layout: 15 ints");
+  const Layout L{lay[0], lay[1], lay[2], lay[3], lay[4], lay[5], lay[6], lay[7],
+                 lay[8], lay[9], lay[10], lay[11], lay[12], lay[13], lay[14]};
+  TORCH_CHECK(L.vb == 4 || (L.vb == 3 && L.D % 8 == 0), "layout: value codes of 4 or 3 bits (D % 8 == 0)");
+  return L;
+}
 
 // Code of channel d of a D-channel row of vb-bit codes (kvtier.quant.pack_bits: 4 = nibbles, low
 // first; 3 = a 2-bit plane of D/4 bytes, then a 1-bit plane of D/8 holding each code's bit 2)

@@ -426,6 +426,19 @@ void check(const torch::Tensor& x, const char* what, int64_t heads, int64_t D) {
 bool prefill_supported() { return kSupported; }
 
 namespace {
+// The pages prefill_attend_paged reads: T and key groups in multiples of 64, no sink tokens, one value
+// group per row, 4- or 3-bit values
+bool paged_supported_layout(const kvtier_pages::Layout& L) {
+  return L.T % KB == 0 && L.kg % KB == 0 && L.T % L.kg == 0 && L.s == 0 && L.vg >= L.D && (L.vb == 4 || L.vb == 3);
+}
+}  // namespace
+
+bool prefill_paged_supported(std::vector<int64_t> lay) {
+  if (lay.size() != 15 || (lay[14] != 4 && lay[14] != 3)) return false;
+  return paged_supported_layout(kvtier_pages::read_layout(lay));
+}
+
+namespace {
 void attend_checked(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, double scale, const Pages& pg);
 }
 
@@ -439,13 +452,12 @@ void prefill_attend_paged(
     torch::Tensor pids,        // int64 [np]: the pages of the first np * T keys, in order
     std::vector<int64_t> lay   // PageFormat.layout(): H, D, T, kg, vg, s, page, offsets (7), vb
 ) {
-  TORCH_CHECK(lay.size() == 15, "layout: 15 ints");
-  const int64_t H = lay[0], D = lay[1], T = lay[2], kg = lay[3], vg = lay[4], s = lay[5], pbytes = lay[6], vb = lay[14];
-  TORCH_CHECK(H == k.size(1) && D == q.size(-1), "layout: heads / head_dim differ from k");
-  TORCH_CHECK(T % KB == 0 && kg % KB == 0 && T % kg == 0 && s == 0 && vg >= D && (vb == 4 || vb == 3),
+  const kvtier_pages::Layout L = kvtier_pages::read_layout(lay);
+  TORCH_CHECK(L.H == k.size(1) && L.D == q.size(-1), "layout: heads / head_dim differ from k");
+  TORCH_CHECK(paged_supported_layout(L),
               "kvtier paged prefill: pages of T and key groups in multiples of 64, no sink tokens, one value group "
               "per row, 4- or 3-bit values");
-  TORCH_CHECK(pages.is_contiguous() && pages.dim() == 2 && pages.size(1) == pbytes && pages.scalar_type() == at::kByte,
+  TORCH_CHECK(pages.is_contiguous() && pages.dim() == 2 && pages.size(1) == L.page && pages.scalar_type() == at::kByte,
               "pages: contiguous uint8 [B, page]");
   TORCH_CHECK(pids.scalar_type() == at::kLong && pids.is_contiguous() && pids.dim() == 1, "pids: contiguous int64 [np]");
   const int64_t np = pids.size(0), B = pages.size(0);
@@ -453,9 +465,9 @@ void prefill_attend_paged(
   const int64_t* id = pids.data_ptr<int64_t>();
   for (int64_t i = 0; i < np; ++i) {
     TORCH_CHECK(id[i] >= 0 && id[i] < B, "pids: page ", id[i], " out of range");
-    ptr[i] = pages.data_ptr<uint8_t>() + id[i] * pbytes;
+    ptr[i] = pages.data_ptr<uint8_t>() + id[i] * L.page;
   }
-  const Pages pg{np * T, ptr.data(), T, kg, vb, lay[7], lay[8], lay[9], lay[10], lay[12], lay[13]};
+  const Pages pg{np * L.T, ptr.data(), L.T, L.kg, L.vb, L.kscale, L.kzero, L.vscale, L.vzero, L.kcodes, L.vcodes};
   attend_checked(q, k, v, out, scale, pg);
 }
 

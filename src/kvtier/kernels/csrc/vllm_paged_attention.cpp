@@ -188,20 +188,8 @@ inline void store_row(const float* src, T* dst, int64_t D, float mul) {
   for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[d] * mul);
 }
 
-struct Layout {
-  int64_t H, D, T, kg, vg, s, page;
-  int64_t kscale, kzero, vscale, vzero, sink, kcodes, vcodes;
-  int64_t vb;  // value code width: 4 or 3
-  int64_t vrow() const { return D * vb / 8; }  // bytes of one token's value codes
-};
-
-Layout read_layout(const std::vector<int64_t>& lay) {
-  TORCH_CHECK(lay.size() == 15, "layout: 15 ints");
-  const Layout L{lay[0], lay[1], lay[2], lay[3], lay[4], lay[5], lay[6], lay[7],
-                 lay[8], lay[9], lay[10], lay[11], lay[12], lay[13], lay[14]};
-  TORCH_CHECK(L.vb == 4 || (L.vb == 3 && L.D % 8 == 0), "layout: value codes of 4 or 3 bits (D % 8 == 0)");
-  return L;
-}
+using kvtier_pages::Layout;
+using kvtier_pages::read_layout;
 
 // Inverse of code_at for a whole row: codes [D] (< 2**vb) into row [D * vb / 8]
 inline void pack_row(const uint8_t* codes, int64_t D, int64_t vb, uint8_t* row) {
