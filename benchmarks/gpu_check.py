@@ -16,7 +16,8 @@ One command on a CUDA machine (needs only torch, triton and transformers; no net
 5. vLLM packed pages (``kvtier.kernels.triton_pages``, the page format of ``kvtier.vllm``): one
    step of decode rows and a prefill chunk over pages, side rows and a block read in part against
    the torch path, then a decode step of 48 requests x 2k tokens (SmolLM2 and Llama-3-8B layer
-   shapes) against bf16 SDPA over the same requests' exact K/V.
+   shapes) and a step of 8 prefill chunks of 256 tokens after 2k against bf16 SDPA over the same
+   requests' exact K/V.
 
 It prints a table per part and ends with one JSON line; exit status 1 when a check fails.
 ``--dry-run`` runs every code path on the CPU (Triton's interpreter, tiny sizes; times mean nothing).
@@ -68,6 +69,8 @@ class Sizes:
     page_context: int = 2048
     page_block: int = 128
     page_shapes: tuple[tuple[int, int, int], ...] = ((3, 9, 64), (8, 32, 128))  # (KV heads, query heads, D)
+    page_chunk_reqs: int = 8
+    page_chunk: int = 256
 
 
 FULL = Sizes(
@@ -84,6 +87,7 @@ DRY = Sizes(
     model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, vocab_size=97),
     prompts=(40,), new_tokens=3, iters=1, page_reqs=3, page_context=64, page_block=32, page_shapes=((2, 4, 16),),
+    page_chunk_reqs=2, page_chunk=40,
 )  # fmt: skip
 
 
@@ -602,7 +606,37 @@ def run_vllm_pages(sz: Sizes, device, timer: Timer) -> list[dict]:
             del kd, vd, pages
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        rows.append(_chunk_row(sz, device, timer, PageFormat(policies["default"], H, D, torch.bfloat16), Hq))
     return rows
+
+
+def _chunk_row(sz: Sizes, device, timer: Timer, fmt, Hq: int) -> dict:
+    """A chunked-prefill step: ``sz.page_chunk_reqs`` requests of ``sz.page_chunk`` new tokens after
+    ``sz.page_context`` packed ones (row tiles through ``tl.dot``), against bf16 SDPA with the causal
+    suffix mask over the same requests' exact K/V."""
+    import torch
+    import torch.nn.functional as F
+
+    from kvtier.vllm.paged import attend_layer_triton
+
+    T, C, R, n = sz.page_block, sz.page_context, sz.page_chunk_reqs, sz.page_chunk
+    H, D = fmt.heads, fmt.head_dim
+    plan, pages, side, N = page_step(fmt, T, [C] * R, [n] * R, device, seed=4)
+    q = torch.randn(N, Hq, D, device=device, dtype=torch.bfloat16)
+    kn, vn = torch.randn(2, N, H, D, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    row = {"shape": f"{H}/{Hq}/{D}", "policy": f"default, {R} x {n}-token chunks"}
+    row["ms"] = timer(functools.partial(attend_layer_triton, fmt, plan, pages, side, q, kn, vn, D**-0.5, out=out))
+    row["MB"] = (R * (C // T) * fmt.page_bytes + 2 * kn.numel() * 2 + 2 * q.numel() * 2) / 1e6
+    kd = torch.randn(R, H, C + n, D, device=device, dtype=torch.bfloat16)
+    vd = torch.randn(R, H, C + n, D, device=device, dtype=torch.bfloat16)
+    qd = q.view(R, n, Hq, D).transpose(1, 2)
+    mask = torch.ones(n, C + n, dtype=torch.bool, device=device).tril(C)
+    row["dense MB"] = 2 * kd.numel() * 2 / 1e6
+    sdpa = functools.partial(F.scaled_dot_product_attention, qd, kd, vd, attn_mask=mask, scale=D**-0.5, enable_gqa=True)
+    row["sdpa ms"] = timer(sdpa)
+    row["x sdpa"] = row["sdpa ms"] / row["ms"]
+    return row
 
 
 # --- 0. ahead-of-time compilation (no GPU) ------------------------------------------------------------
@@ -773,7 +807,7 @@ def main(argv=None) -> int:
     pages = run_vllm_pages(sz, device, timer)
     title = f"vLLM packed pages: correctness, then a decode step of {sz.page_reqs} requests x {sz.page_context} tokens"
     table(title, pages, PAGE_COLS)
-    correct = all(c["ok"] for c in checks) and all(r["ok"] for r in pages)
+    correct = all(c["ok"] for c in checks) and all(r.get("ok", True) for r in pages)
     print(f"\ncorrectness: {'all ok' if correct else 'FAILED'} | total {time.perf_counter() - t_start:.1f} s")
     result = {
         "device": name, "dry_run": args.dry_run, "peak_gbps": peak, "peak_source": peak_src, "correct": correct,
