@@ -16,6 +16,7 @@
 #endif
 
 #include "common.h"
+#include "simd_exp.h"
 
 namespace {
 
@@ -151,6 +152,32 @@ template <int BITS, int D>
 void scores_t(const uint8_t* codes, const bool* okb, int64_t T, int64_t P, int64_t R, const float* qs,
               const float* bias, float* s, int64_t N) {
   constexpr int NPOS = npos_of(BITS, D);
+#if defined(__AVX512F__)
+  if constexpr (NPOS % 16 == 0) {  // 16 tokens at a time: lane partials, then one transpose-and-add tree
+    alignas(64) float u16[16 * NPOS];
+    alignas(64) float out[16];
+    for (int64_t t0 = 0; t0 < T; t0 += 16) {
+      const int64_t nt = std::min<int64_t>(16, T - t0);
+      for (int64_t i = 0; i < 16; ++i) {
+        if (i < nt && okb[t0 + i]) unpack_t<BITS, D>(codes + (t0 + i) * P, u16 + i * NPOS);
+        else std::memset(u16 + i * NPOS, 0, NPOS * sizeof(float));
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const float* q = qs + r * NPOS;
+        __m512 acc[16];
+        for (int i = 0; i < 16; ++i) {
+          const float* uu = u16 + i * NPOS;
+          __m512 x = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_load_ps(uu));
+          for (int k = 16; k < NPOS; k += 16) x = _mm512_fmadd_ps(_mm512_loadu_ps(q + k), _mm512_load_ps(uu + k), x);
+          acc[i] = x;
+        }
+        _mm512_store_ps(out, _mm512_add_ps(reduce16(acc), _mm512_set1_ps(bias[r])));
+        for (int64_t i = 0; i < nt; ++i) s[r * N + t0 + i] = okb[t0 + i] ? out[i] : NEG;
+      }
+    }
+    return;
+  }
+#endif
   alignas(64) float u[NPOS];
   for (int64_t tt = 0; tt < T; ++tt) {
     if (!okb[tt]) {

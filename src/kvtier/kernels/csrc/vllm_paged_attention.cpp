@@ -73,21 +73,6 @@ inline void unpack64_3(const uint8_t* c, __m512* v) {
   }
 }
 
-// s[i] = sum of the 16 lanes of v[i], i < 16: a transpose-and-add tree (pairs within 128-bit lanes,
-// then quads, then across the four 128-bit lanes), ~3 instructions per vector instead of a
-// horizontal reduction of each.
-inline __m512 reduce16(const __m512* v) {
-  __m512 u[8], w[4];
-  for (int k = 0; k < 8; ++k)
-    u[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-  for (int m = 0; m < 4; ++m)
-    w[m] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * m], u[2 * m + 1], 0x44), _mm512_shuffle_ps(u[2 * m], u[2 * m + 1], 0xEE));
-  // w[m]'s 128-bit lane L holds, for vectors 4m..4m+3, the sum of their lane L
-  const __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-  const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
-}
-
 // p[row * n + t + i] = q[row] . kb[i] - sub[row] (no subtraction when sub is null) for 16 tokens
 // kb [16, 64] and R query rows q [R, 64].
 inline void score16_d64(const float* kb, const float* q, int64_t R, const float* sub, float* p, int64_t n, int64_t t) {
