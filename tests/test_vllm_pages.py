@@ -300,6 +300,8 @@ ATTEND_SMALL = [pytest.param(triton_split, marks=_NO_TRITON), pytest.param(trito
     ],
 )
 def test_steps_against_reference(policy: PagePolicy, attend) -> None:  # noqa: ANN001
+    if attend is triton_dense and policy.sink_tokens:
+        pytest.skip("interpreted Triton: sinks and key groups run in test_triton_kernel_reads_every_page_code_width")
     torch.manual_seed(1)
     eng = FakeEngine(policy, attend=attend)
     T = policy.block_size
