@@ -647,7 +647,6 @@ def _page_variants() -> list[tuple]:
     part 5, decode rows and a prefill chunk: (name, kernel, signature types, constants, warps)."""
     import torch
 
-    from kvtier.kernels import triton_decode as td
     from kvtier.kernels import triton_pages as tp
     from kvtier.vllm.pages import PageFormat, PagePolicy
 
@@ -660,26 +659,20 @@ def _page_variants() -> list[tuple]:
         ((8, 32, 128), PagePolicy(sink_tokens=4, key_group=32), 256),
     ):
         fmt = PageFormat(policy, H, D, torch.bfloat16)
-        lay = dict(zip(tp.LAYOUT_FIELDS, fmt.layout()))
         types = {a: "*bf16" for a in ("Q", "KN", "VN", "Side", "PagesS")}
         types |= {"Pages": "*u8", "Pages16": "*fp16", "OutPart": "*fp32", "LsePart": "*fp32", "scale": "fp32"}
         types |= {a: "*i64" for a in ("Reqs", "Pstart", "Pids")}
         types |= {a: "i32" for a in ("row_tiles", "num_splits", "page_bytes", "side_slot_stride")}
         G = Hq // H
-        tile = tp.tiles(G * R, D)
-        consts = dict(H=H, G=G, D=D, T=lay["tokens"], KG=lay["key_group"], VG=lay["value_group"],
-                      SINK=lay["sink_tokens"], SINK_ISZ=2, O_KS=lay["kscale"], O_KZ=lay["kzero"],
-                      O_VS=lay["vscale"], O_VZ=lay["vzero"], O_SINK=lay["sink"], O_KC=lay["kcodes"],
-                      O_VC=lay["vcodes"], KP=D * policy.bits // 8, VP=D * policy.vbits // 8,
-                      BLOCK_R=tile["BLOCK_R"], BLOCK_T=tile["BLOCK_T"], BLOCK_D=tile["BLOCK_D"])  # fmt: skip
-        consts |= {f"K{k}": x for k, x in td._plane_spec(policy.bits, D).items()}
-        consts |= {f"V{k}": x for k, x in td._plane_spec(policy.vbits, D).items()}
+        split, merge_consts = tp.constants(fmt.layout(), policy.bits, G, G * R, 2)
+        warps = split.pop("num_warps")
+        merge_consts = dict(merge_consts, OUT_BF16=True)
+        merge_consts.pop("num_warps")
         name = f"pages b{policy.bits}/{policy.vbits} s{policy.sink_tokens} {H}/{Hq}/{D} rows {G * R}"
-        out.append((name, tp._page_split_kernel, types, consts, tile["num_warps"]))
+        out.append((name, tp._page_split_kernel, types, split, warps))
         merge = {"OutPart": "*fp32", "LsePart": "*fp32", "Out": "*bf16", "Reqs": "*i64", "row_tiles": "i32",
                  "num_splits": "i32"}  # fmt: skip
-        mconsts = dict(H=H, G=G, D=D, OUT_BF16=True, BLOCK_R=tile["BLOCK_R"], BLOCK_D=tile["BLOCK_D"])
-        out.append((f"pages merge {H}/{Hq}/{D} rows {G * R}", tp._page_merge_kernel, merge, mconsts, tile["num_warps"]))
+        out.append((f"pages merge {H}/{Hq}/{D} rows {G * R}", tp._page_merge_kernel, merge, merge_consts, warps))
     return out
 
 

@@ -245,16 +245,11 @@ def _exact_split_kernel(
     _store_split(OutPart, LsePart, bh, s, num_splits, R, acc, m_i, l_i, r, d, D)
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # lengths change every step: no recompiles
-def _merge_splits_kernel(
-    OutPart, LsePart, Out, Lse, R, num_splits, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
-):
-    """Log-sum-exp merge of the splits of one (batch x KV head)."""
-    bh = tl.program_id(0).to(tl.int64)
-    r = tl.arange(0, BLOCK_R)
-    d = tl.arange(0, BLOCK_D)
-    r_ok = r < R
-    od_mask = r_ok[:, None] & (d[None, :] < D)
+@triton.jit
+def _merged(OutPart, LsePart, bh, R, num_splits, r, d, r_ok, od_mask, D: tl.constexpr, BLOCK_R: tl.constexpr,
+            BLOCK_D: tl.constexpr):  # fmt: skip
+    """Log-sum-exp merge of the ``num_splits`` partials (:func:`_store_split`, ``R`` rows each) of rows
+    ``r`` of program ``bh``: ``(out [BLOCK_R, BLOCK_D] normalized, lse [BLOCK_R])``."""
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     for s in range(0, num_splits):
         m = tl.maximum(m, tl.load(LsePart + (bh * num_splits + s) * R + r, mask=r_ok, other=float("-inf")))
@@ -270,6 +265,20 @@ def _merge_splits_kernel(
     has = total > 0
     out = acc / tl.where(has, total, 1.0)[:, None]
     lse = tl.where(has, m_safe + tl.log(tl.where(has, total, 1.0)), float("-inf"))
+    return out, lse
+
+
+@triton.jit(do_not_specialize=["num_splits"])  # lengths change every step: no recompiles
+def _merge_splits_kernel(
+    OutPart, LsePart, Out, Lse, R, num_splits, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """Log-sum-exp merge of the splits of one (batch x KV head)."""
+    bh = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    r_ok = r < R
+    od_mask = r_ok[:, None] & (d[None, :] < D)
+    out, lse = _merged(OutPart, LsePart, bh, R, num_splits, r, d, r_ok, od_mask, D, BLOCK_R, BLOCK_D)
     tl.store(Out + (bh * R + r[:, None]) * D + d[None, :], out, mask=od_mask)
     tl.store(Lse + bh * R + r, lse, mask=r_ok)
 

@@ -29,7 +29,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_decode import TILE_ELEMENTS, _codes, _num_splits, _online_update, _plane_spec, _pow2
+from .triton_decode import (
+    TILE_ELEMENTS,
+    _codes,
+    _merged,
+    _num_splits,
+    _online_update,
+    _plane_spec,
+    _pow2,
+)
 
 #: fields of a layout (``PageFormat.layout()``), in order
 LAYOUT_FIELDS = (
@@ -177,6 +185,7 @@ def _page_split_kernel(
                 v = tl.load(VN + np_, mask=jd_ok, other=0.0).to(tl.float32)
                 allowed = r_ok[:, None] & j_ok[None, :] & (jj[None, :] <= i[:, None])
                 m_i, l_i, acc = _attend_tile(q, k, v, allowed, m_i, l_i, acc, BLOCK_R >= 16)
+    # triton_decode._store_split's rule, masked to this tile's rows (its all-rows store spilled 8 B at sm_90)
     has = l_i > 0
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     base = pid.to(tl.int64) * num_splits + s
@@ -204,26 +213,35 @@ def _page_merge_kernel(
     r_ok = rr < G * n
     nn = tl.maximum(n, 1)
     od_mask = r_ok[:, None] & (d[None, :] < D)
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for s in range(0, num_splits):
-        lse = tl.load(LsePart + (pid.to(tl.int64) * num_splits + s) * BLOCK_R + r, mask=r_ok, other=float("-inf"))
-        m = tl.maximum(m, lse)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for s in range(0, num_splits):
-        base = pid.to(tl.int64) * num_splits + s
-        w = tl.exp(tl.load(LsePart + base * BLOCK_R + r, mask=r_ok, other=float("-inf")) - m_safe)
-        part = tl.load(OutPart + (base * BLOCK_R + r[:, None]) * D + d[None, :], mask=od_mask, other=0.0)
-        total += w
-        acc += w[:, None] * part
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    out, _ = _merged(OutPart, LsePart, pid.to(tl.int64), BLOCK_R, num_splits, r, d, r_ok, od_mask, D, BLOCK_R, BLOCK_D)
     qrow = (qs + rr % nn) * (H * G) + h * G + rr // nn
     if OUT_BF16:  # round to nearest even by hand: Triton's interpreter truncates in .to(bfloat16)
         bits = out.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         out = bits.to(tl.float32, bitcast=True)
     tl.store(Out + qrow[:, None] * D + d[None, :], out.to(Out.dtype.element_ty), mask=od_mask)
+
+
+def constants(layout: list[int] | tuple[int, ...], bits: int, G: int, rows: int, sink_itemsize: int):  # noqa: ANN201
+    """The launch constants of the split and the merge kernel (``num_warps`` included) for pages of
+    ``layout`` with ``bits``-bit keys, ``G`` query heads per KV head, requests of at most ``rows`` rows
+    per KV head and sinks of ``sink_itemsize`` bytes; the merge's ``OUT_BF16`` is the caller's."""
+    lay = dict(zip(LAYOUT_FIELDS, (int(x) for x in layout)))
+    D = lay["head_dim"]
+    tile = tiles(rows, D)
+    split = dict(
+        H=lay["heads"], G=G, D=D, T=lay["tokens"], KG=lay["key_group"], VG=lay["value_group"],
+        SINK=lay["sink_tokens"], SINK_ISZ=sink_itemsize,
+        O_KS=lay["kscale"], O_KZ=lay["kzero"], O_VS=lay["vscale"], O_VZ=lay["vzero"], O_SINK=lay["sink"],
+        O_KC=lay["kcodes"], O_VC=lay["vcodes"],
+        **{f"K{k}": x for k, x in _plane_spec(bits, D).items()}, KP=D * bits // 8,
+        **{f"V{k}": x for k, x in _plane_spec(lay["value_bits"], D).items()}, VP=D * lay["value_bits"] // 8,
+        **tile,
+    )  # fmt: skip
+    merge = dict(
+        H=lay["heads"], G=G, D=D, BLOCK_R=tile["BLOCK_R"], BLOCK_D=tile["BLOCK_D"], num_warps=tile["num_warps"]
+    )
+    return split, merge
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -293,28 +311,18 @@ def attend(
     isz = sink_dtype.itemsize
     _check(lay["page_bytes"] % max(2, isz) == 0 and lay["sink"] % isz == 0, "page fields are not aligned")
     G = Hq // H
-    tile = tiles(G * max_query, D)
-    BLOCK_R, BLOCK_D = tile["BLOCK_R"], tile["BLOCK_D"]
+    split, merge = constants(layout, bits, G, G * max_query, isz)
+    BLOCK_R = split["BLOCK_R"]
     row_tiles = -(-G * max_query // BLOCK_R)
     programs = R * H * row_tiles
     S = _num_splits(programs, max_units, dev, num_splits)
     out_part = torch.empty(programs * S * BLOCK_R * D, dtype=torch.float32, device=dev)
     lse_part = torch.empty(programs * S * BLOCK_R, dtype=torch.float32, device=dev)
-    kspec = _plane_spec(bits, D)
-    vspec = _plane_spec(lay["value_bits"], D)
     _page_split_kernel[(programs, S)](
         query, key, value, side, pages, pages.view(torch.float16), pages.view(sink_dtype), reqs, pstart, pids,
-        out_part, lse_part,
-        float(scale), row_tiles, S, lay["page_bytes"], side.stride(0),
-        H=H, G=G, D=D, T=T, KG=lay["key_group"], VG=lay["value_group"], SINK=lay["sink_tokens"], SINK_ISZ=isz,
-        O_KS=lay["kscale"], O_KZ=lay["kzero"], O_VS=lay["vscale"], O_VZ=lay["vzero"], O_SINK=lay["sink"],
-        O_KC=lay["kcodes"], O_VC=lay["vcodes"],
-        **{f"K{k}": x for k, x in kspec.items()}, KP=D * bits // 8,
-        **{f"V{k}": x for k, x in vspec.items()}, VP=D * lay["value_bits"] // 8,
-        **tile,
+        out_part, lse_part, float(scale), row_tiles, S, lay["page_bytes"], side.stride(0), **split,
     )  # fmt: skip
     _page_merge_kernel[(programs,)](
-        out_part, lse_part, out, reqs, row_tiles, S, H=H, G=G, D=D, OUT_BF16=out.dtype == torch.bfloat16,
-        BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, num_warps=tile["num_warps"],
-    )  # fmt: skip
+        out_part, lse_part, out, reqs, row_tiles, S, OUT_BF16=out.dtype == torch.bfloat16, **merge
+    )
     return out

@@ -102,8 +102,9 @@ def _pack(codes: torch.Tensor, bits: int, buffer=_empty) -> torch.Tensor:  # noq
     bits first) on int64 words: each word holds 8 codes, and three shift-or-mask halvings gather
     their ``w``-bit fields into its low ``w`` bytes (little-endian, so byte order is code order).
     The same bytes (``tests/vllm/test_vllm_store.py``), in a few in-place passes over the codes.
-    ``buffer(name, shape, dtype)`` gives the two int64 scratch tensors; the result is new."""
-    if bits == 8 or codes.shape[-1] % 8:
+    ``buffer(name, shape, dtype)`` gives the two int64 scratch tensors; the result is new. Off the
+    CPU (scratch and result are CPU tensors here) it is :func:`kvtier.quant.pack_bits` itself."""
+    if bits == 8 or codes.shape[-1] % 8 or codes.device.type != "cpu":
         return pack_bits(codes, bits)
     lead, n = codes.shape[:-1], codes.shape[-1]
     words = codes.contiguous().view(torch.int64)  # [..., n // 8]; codes < 2**7: non-negative
@@ -130,8 +131,8 @@ def _pack(codes: torch.Tensor, bits: int, buffer=_empty) -> torch.Tensor:  # noq
 
 def _unpack(packed: torch.Tensor, bits: int, n: int, buffer=_empty) -> torch.Tensor:  # noqa: ANN001
     """Inverse of :func:`_pack` (``kvtier.quant.unpack_bits``, same values): the halvings reversed.
-    The result may be a ``buffer`` (scratch) tensor."""
-    if bits == 8 or n % 8:
+    The result may be a ``buffer`` (scratch) tensor; off the CPU it is :func:`kvtier.quant.unpack_bits`'s."""
+    if bits == 8 or n % 8 or packed.device.type != "cpu":
         return unpack_bits(packed, bits, n)
     lead = packed.shape[:-1]
     words = buffer("unpack_w", (*lead, n // 8), torch.int64)

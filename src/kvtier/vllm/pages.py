@@ -28,20 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import quant
 from ..quant import quantize_kbit
-from .blocks import _pack, _unpack  # kvtier.quant.pack_bits's bytes on int64 words (tested there), CPU
-
-
-def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """:func:`kvtier.quant.pack_bits`'s bytes: the int64-word packer on the CPU, the plain one elsewhere."""
-    return _pack(codes, bits) if codes.device.type == "cpu" else quant.pack_bits(codes, bits)
-
-
-def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`."""
-    return _unpack(packed, bits, n) if packed.device.type == "cpu" else quant.unpack_bits(packed, bits, n)
-
+from .blocks import _pack as pack_bits  # kvtier.quant.pack_bits's bytes on int64 words (tested there)
+from .blocks import _unpack as unpack_bits
 
 #: code widths a packed page may use (keys: ``bits``; values: ``value_bits``)
 PAGE_BITS = (2, 3, 4, 8)
