@@ -73,9 +73,6 @@ def lloyd_max(bits: int) -> torch.Tensor:
 def kmeans_codebook(bits: int, dim: int = 4) -> torch.Tensor:
     """``[2**(bits*dim), dim]`` centers of k-means on seeded N(0, I) samples (model-independent)."""
     n = 1 << (bits * dim)
-    path = Path(f"/tmp/kvtier-vq-{dim}d-{bits}b.pt")
-    if path.exists():
-        return torch.load(path)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(max(64 * n, 1 << 16), dim, generator=g)
     c = x[torch.randperm(x.shape[0], generator=g)[:n]].clone()
@@ -84,7 +81,6 @@ def kmeans_codebook(bits: int, dim: int = 4) -> torch.Tensor:
         s = torch.zeros_like(c).index_add_(0, idx, x)
         cnt = torch.bincount(idx, minlength=n).float()[:, None]
         c = torch.where(cnt > 0, s / cnt.clamp_min(1), c)
-    torch.save(c, path)
     return c
 
 
@@ -116,32 +112,23 @@ def _code_unit(z: torch.Tensor, fmt: str, bits: int) -> torch.Tensor:
     return c[_nearest(flat, c)].reshape(z.shape)
 
 
-def code_keys(k: torch.Tensor, fmt: str, bits: int, block: int) -> torch.Tensor:
-    """Keys ``[B, H, N, D]`` (``N`` a multiple of ``block``), rotated, coded, decoded, rotated back."""
-    B, H, N, D = k.shape
+def code(x: torch.Tensor, fmt: str, bits: int, block: int | None = None) -> torch.Tensor:
+    """Rows ``x: [B, H, N, D]`` rotated, coded, decoded and rotated back. Keys (``block`` given,
+    ``N`` a multiple of it): parameters per channel over each block's tokens; values (``block``
+    None): per token over the head dim. Either way the parameters run over axis 3 of the (blocked)
+    rotated tensor; the RMS scale of ``lm`` / ``vq`` is per token."""
+    B, H, N, D = x.shape
     r = rotation(D)
-    kr = (k.float() @ r).reshape(B, H, N // block, block, D)
+    xr = x.float() @ r
+    if block is not None:
+        xr = xr.reshape(B, H, N // block, block, D)
     if fmt == "ab":
-        q, a, b = quantize_ab(kr, bits, dim=3, dtype=F8, clip=True)
-        kh = q.float() * a.float() + b.float()
+        q, a, b = quantize_ab(xr, bits, dim=3, dtype=F8, clip=True)
+        xh = q.float() * a.float() + b.float()
     else:
-        z, mean, rms = _normalized(kr, kr.mean(3, keepdim=True))
-        kh = _code_unit(z, fmt, bits) * rms + mean
-    return (kh.reshape(B, H, N, D) @ r.T).to(k.dtype)
-
-
-def code_values(v: torch.Tensor, fmt: str, bits: int) -> torch.Tensor:
-    """Values ``[B, H, N, D]``, rotated, coded per token over the head dim, decoded, rotated back."""
-    D = v.shape[-1]
-    r = rotation(D)
-    vr = v.float() @ r
-    if fmt == "ab":
-        q, a, b = quantize_ab(vr, bits, dim=3, dtype=F8, clip=True)
-        vh = q.float() * a.float() + b.float()
-    else:
-        z, mean, rms = _normalized(vr, vr.mean(-1, keepdim=True))
-        vh = _code_unit(z, fmt, bits) * rms + mean
-    return (vh @ r.T).to(v.dtype)
+        z, mean, rms = _normalized(xr, xr.mean(3, keepdim=True))
+        xh = _code_unit(z, fmt, bits) * rms + mean
+    return (xh.reshape(B, H, N, D) @ r.T).to(x.dtype)
 
 
 class CodedCache(DynamicCache):
@@ -161,8 +148,8 @@ class CodedCache(DynamicCache):
         end = start + max(0, (n - self.ring - start) // self.block) * self.block
         if end > start:
             with torch.no_grad():
-                keys[:, :, start:end] = code_keys(keys[:, :, start:end], self.fmt, self.kbits, self.block)
-                values[:, :, start:end] = code_values(values[:, :, start:end], self.fmt, self.vbits)
+                keys[:, :, start:end] = code(keys[:, :, start:end], self.fmt, self.kbits, self.block)
+                values[:, :, start:end] = code(values[:, :, start:end], self.fmt, self.vbits)
             self.coded[layer_idx] = end
         return keys, values
 
@@ -170,10 +157,11 @@ class CodedCache(DynamicCache):
 class CodedSpec(CacheSpec):
     def __init__(self, name: str, sinks: int, ring: int, block: int):
         super().__init__(name)
-        fmt, widths = name.split(":")
-        kb, vb = (int(w) for w in widths.split("/"))
-        if fmt not in ("ab", "lm", "vq") or not (1 <= kb <= 4 and 1 <= vb <= 4):
+        fmt, _, widths = name.partition(":")
+        kb, _, vb = widths.partition("/")
+        if fmt not in ("ab", "lm", "vq") or kb not in ("1", "2", "3", "4") or vb not in ("1", "2", "3", "4"):
             raise ValueError(f"{name!r}: expected ab|lm|vq:K/V with widths 1..4")
+        kb, vb = int(kb), int(vb)
         self.args = (fmt, kb, vb, sinks, ring, block)
 
     def build(self, model):
@@ -187,10 +175,10 @@ def plot(paths: list[str]) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    docs = [json.loads(Path(p).read_text()) for p in sorted(paths)]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     marks = {"ab": "o", "lm": "s", "vq": "^"}
-    for i, p in enumerate(sorted(paths)):
-        doc = json.loads(Path(p).read_text())
+    for i, doc in enumerate(docs):
         for fmt, mark in marks.items():
             pts = sorted((r["code_bits"], r["kl"]) for n, r in doc["rows"].items() if n.startswith(fmt + ":"))
             if pts:
@@ -203,7 +191,8 @@ def plot(paths: list[str]) -> Path:
                 )
     ax.axhline(0.01, color="grey", linewidth=0.8)
     ax.text(2.3, 0.0105, "issue 17's KL target", color="grey", fontsize=8)
-    room = 2.5 - 16 * (32 + 128) / 8192  # what bits=2.5 leaves at 8k after 32 sinks + 128 ring in fp16
+    # what bits=2.5 leaves at 8k after the runs' exact sinks and ring (fp16)
+    room = 2.5 - 16 * (docs[0]["sinks"] + docs[0]["ring"]) / 8192
     ax.axvline(room, color="grey", linewidth=0.8, linestyle=":")
     ax.text(room + 0.02, 0.003, f"bits=2.5 at 8k leaves {room:.2f}", color="grey", fontsize=8, rotation=90)
     ax.set_yscale("log")
