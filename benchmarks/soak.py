@@ -13,7 +13,7 @@ enough (1,280 tokens) to fill every tier of every preset; ``--model smollm2`` ru
 SmolLM2-135M on the first book (100 calls by default: a 512-token call took ~4 s on a busy
 2-core machine). One torch thread.
 
-    python benchmarks/soak.py                       # tiny model, 1,000 calls x 3 presets
+    python benchmarks/soak.py                       # tiny model, 1,000 calls x 4 presets
     python benchmarks/soak.py --model smollm2 --calls 100 --plot-dir soak-plots
 
 Ends with one JSON line.
@@ -31,7 +31,7 @@ import torch
 
 from kvtier.doctor import diagnose, plot_memory, prompt_ids
 
-PRESETS = ("default", "max-compression", "offload-disk")
+PRESETS = ("default", "max-compression", "offload-disk", "adaptive")
 TARGET_DRIFT_PCT = 2.0
 
 

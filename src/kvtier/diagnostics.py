@@ -29,10 +29,11 @@ __all__ = [
 ]
 
 #: Byte groups of a report: resident tiers, ``staging`` (prefetched blocks held for a layer's
-#: attention, normally empty between steps), ``store`` (offloaded blocks), ``other`` (untiered layers).
-TIERS = ("sink", "hot", "warm", "cold", "staging", "store", "other")
+#: attention, normally empty between steps), ``measure`` (an adaptive budget's warm-up statistics,
+#: freed when it allocates), ``store`` (offloaded blocks), ``other`` (untiered layers).
+TIERS = ("sink", "hot", "warm", "cold", "staging", "measure", "store", "other")
 TOKEN_TIERS = ("sink", "hot", "warm", "cold", "evicted")
-_OPTIONAL = ("staging", "store", "other")
+_OPTIONAL = ("staging", "measure", "store", "other")
 
 
 def reachable_tensor_bytes(root: Any) -> int:
@@ -73,7 +74,8 @@ class MemoryReport:
     ----------
     total_bytes : every byte the cache holds: ``resident_bytes + offloaded_bytes``.
     resident_bytes : bytes next to the compute: sinks, hot, warm, cold sketches and codes,
-        block tables, checksums, staging buffers (read off the tensors).
+        block tables, checksums, staging buffers, an adaptive budget's warm-up statistics (read
+        off the tensors).
     offloaded_bytes : bytes of offloaded blocks in a block store (host RAM slabs or disk files).
     dense_fp16_bytes : what an fp16 ``DynamicCache`` would hold for the same tokens.
     seq_len : tokens seen (the longest layer).

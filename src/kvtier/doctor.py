@@ -5,7 +5,7 @@ This module owns :func:`diagnose` (the API), its report (:class:`DoctorReport`, 
 what a closed cache leaves behind (threads, file descriptors, offload files, ``*.kv`` memory
 maps), the autograd check of cache tensors (:func:`autograd_tensors`), the memory plot
 (:func:`plot_memory`) and the ``kvtier doctor`` command (:func:`add_parser`, :func:`cmd_doctor`,
-wired into :mod:`kvtier.cli`).
+wired into :mod:`kvtier.cli`, which also takes its ``--threads`` bound, :func:`threads_arg`).
 
 It may import torch, numpy, tqdm, transformers' cache classes and kvtier's cache, attention,
 policy and diagnostics modules; matplotlib (``--plot``), :mod:`kvtier.models` and
@@ -662,6 +662,39 @@ def _positive(text: str) -> int:
     return value
 
 
+#: ``--threads`` of every command: torch takes ``set_num_threads(1024)``, but 100000 crashes it
+#: (a segfault), so the count is bounded by a fixed cap, the same on every machine.
+MAX_THREADS = 1024
+
+
+def threads_arg(text: str) -> int:
+    """``--threads``: an int in ``[1, MAX_THREADS]`` (an argparse ``type``; ``kvtier.cli`` uses it too)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected a thread count in [1, {MAX_THREADS}], got {text!r}")
+    return value
+
+
+def _check_device(name: str) -> None:
+    """``--device``: ``cpu`` or an available ``cuda[:N]``, checked before the model loads."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r} is not allowed: expected cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ValueError(
+            f"--device {name!r}: CUDA is not available ({why}, torch {torch.__version__}); use --device cpu"
+        )
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name!r}: there are {torch.cuda.device_count()} CUDA devices")
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``doctor`` to the ``kvtier`` subcommands (``subparsers``: ``add_subparsers()``'s result)."""
     p = subparsers.add_parser(
@@ -679,7 +712,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--gc", action="store_true", help="gc.collect() after each call (frees dropped caches at once)")
     p.add_argument("--offload-dir", help="directory for the offload-disk files (default: the temp directory)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--threads", type=_positive, default=max(1, min(2, torch.get_num_threads())))
+    p.add_argument("--threads", type=threads_arg, default=max(1, min(2, torch.get_num_threads())))
     p.add_argument("--plot", metavar="FILE", help="PNG of memory over the calls")
     p.add_argument("--json", action="store_true", help="end with one JSON line (the report)")
     p.set_defaults(fn=cmd_doctor)
@@ -696,6 +729,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             if policy.offload is None or policy.offload.backend != "disk":
                 raise ValueError(f"--offload-dir needs a disk offload preset, not {args.preset!r}")
             policy = policy.replace(offload=replace(policy.offload, path=args.offload_dir))
+        _check_device(args.device)
         torch.set_num_threads(args.threads)
         print(f"loading {args.model} (offline) ...", file=sys.stderr, flush=True)
         model, tok = load_model(args.model, device=args.device)

@@ -16,6 +16,13 @@ class CacheFullError(KVTierError):
     more than ``N`` bytes; the cache is left as it was before the call."""
 
 
+class StorageRangeError(KVTierError):
+    """A call's keys or values are too large for the format a tier would store them in (fp16 sinks
+    and hot tokens of an fp32 model beyond 65,504, or quantization parameters beyond their fp16 /
+    fp8 range); storing them would decode ``inf``/``NaN`` or clamped values. Raised at the call
+    that would store them, which is undone: the cache is left as it was before the call."""
+
+
 class BudgetWarning(UserWarning):
     """An approximation budget the user chose (e.g. ``OffloadPolicy.max_blocks``) is cutting more
     than a small share of what exact attention would read: output is no longer near-exact."""

@@ -147,8 +147,10 @@ class OffloadPolicy:
     ----------
     backend : ``"cpu"`` (host RAM, pinned when computing on CUDA) or ``"disk"`` (memory-mapped
         files with a crc32 per block).
-    path : disk only: the directory for the files (``None``: the system temp directory). A private
-        subdirectory is created there and removed when the cache is closed or garbage-collected.
+    path : disk only: the directory for the files (``None``: the system temp directory; ``""`` is
+        refused rather than read as the current directory). A private subdirectory is created
+        there and removed when the cache is closed or garbage-collected, or, after a crash, by the
+        next disk cache created in the same directory.
     store_bits : ``None`` stores blocks exactly (storage dtype); 8 or 4 stores k-bit codes.
     mass : keep a row's highest-scoring blocks until the resident tokens (exact mass) plus the kept
         blocks (estimated mass) cover this fraction of the row's estimated attention mass;
@@ -198,7 +200,12 @@ class OffloadPolicy:
 
     def __post_init__(self) -> None:
         _check_choice("backend", self.backend, OFFLOAD_BACKENDS)
-        _check(self.path is None or isinstance(self.path, str), "path", self.path, "a directory path (str) or None")
+        _check(
+            self.path is None or (isinstance(self.path, str) and self.path.strip() != ""),
+            "path",
+            self.path,
+            "a directory path (a non-empty str) or None (the system temp directory)",
+        )
         _check(self.path is None or self.backend == "disk", "path", self.path, "None unless backend='disk'")
         _check_choice("store_bits", self.store_bits, STORE_BITS)
         _check(
@@ -379,6 +386,14 @@ class TierPolicy:
     value_group_size : channels per group of per-token value statistics (divides head_dim; 1 to 1024).
     exact_dtype : storage of sinks and hot tokens: ``"model"`` (the model's dtype),
         ``"half"`` (fp16 when the model runs in fp32, else the model's dtype) or a dtype name.
+        A storage narrower than the model's dtype (fp16 for an fp32 model: up to 65,504) never
+        stores ``inf``: a call whose keys or values exceed it is refused with a one-line
+        :class:`~kvtier.errors.StorageRangeError` naming the layer and the largest ``|x|``, and the
+        cache is left unchanged (one max per appended chunk; the model's own ``inf``/``NaN`` is
+        not checked). Refusing rather than silently keeping fp32 keeps the bytes the cache reports
+        and caps (``max_bytes``) what the policy says; ``"bfloat16"`` (fp32's range in 2 bytes) or
+        ``"model"`` holds such values. Quantized tiers refuse the same way a block whose fp16 / fp8
+        parameters cannot hold its range (:func:`kvtier.cache.codecs.check_params`).
     sparse : a :class:`SparsePolicy` for dynamic sparse attention over warm and cold, or None.
     layer_overrides : layer index -> policy or preset name; negative indices count from the end.
         Any mapping; held as an immutable :class:`LayerOverrides`.

@@ -29,6 +29,7 @@ BUILTIN: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {"num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128},
     "mistral-7b": {"num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128},
     "qwen2.5-7b": {"num_hidden_layers": 28, "num_key_value_heads": 4, "head_dim": 128},
+    "qwen2.5-coder-1.5b": {"num_hidden_layers": 28, "num_key_value_heads": 2, "head_dim": 128},
     "smollm2-135m": {"num_hidden_layers": 30, "num_key_value_heads": 3, "head_dim": 64},
 }
 
@@ -37,7 +38,9 @@ MAX_BATCH = 1 << 16
 MAX_TOTAL_TOKENS = 1 << 26  # batch * seq_len: the store's slab plan takes ~4 s for llama-2-13b here
 MAX_SHAPE = 1 << 12  # layers, KV heads, head_dim
 
-TIERS = ("sink", "hot", "warm", "cold", "store", "other")  # "store": offloaded blocks (RAM or disk)
+# "store": offloaded blocks (RAM or disk); "measure": an adaptive budget's warm-up statistics
+TIERS = ("sink", "hot", "warm", "cold", "store", "other", "measure")
+_TABLE = ("sink", "hot", "warm", "cold", "store")  # the columns of format_estimates
 TOKEN_TIERS = ("sink", "hot", "warm", "cold", "evicted")
 
 
@@ -117,7 +120,20 @@ def model_shape(model: str) -> ModelShape:
     layers = need("num_hidden_layers")
     heads = need("num_attention_heads")
     kv = need("num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads
-    head_dim = need("head_dim") if cfg.get("head_dim") is not None else need("hidden_size", 1 << 20) // heads
+    if heads % kv:  # grouped-query attention shares each KV head among a whole number of query heads
+        raise ValueError(
+            f"{path}: num_attention_heads={heads} is not allowed: expected a multiple of num_key_value_heads={kv}"
+        )
+    if cfg.get("head_dim") is not None:
+        head_dim = need("head_dim")
+    else:
+        hidden = need("hidden_size", 1 << 20)
+        if hidden % heads:
+            raise ValueError(
+                f"{path}: hidden_size={hidden} is not allowed without head_dim: expected a multiple of "
+                f"num_attention_heads={heads} (head_dim would be {hidden / heads:g})"
+            )
+        head_dim = hidden // heads
     types = cfg.get("layer_types") or ["full_attention"] * layers
     if not isinstance(types, list) or len(types) != layers:
         raise ValueError(f"{path}: layer_types={types!r} is not allowed: expected a list of {layers} layer kinds")
@@ -178,7 +194,8 @@ def layer_estimate(
 ) -> tuple[dict, dict]:
     """Bytes and token slots per tier of one tiered layer after ``n`` tokens (no padding); an
     adaptive layer needs its cache's :class:`~kvtier.cache.adaptive.Budget` (``budget``): its warm
-    window follows the budget and its cold codes are priced at the budget's code rate."""
+    window follows the budget, its cold codes are priced at the budget's code rate and its warm-up
+    statistics are held until the warm-up ends."""
     elt = torch.empty((), dtype=storage_dtype(policy, dtype)).element_size()
     if policy.hot_tokens is None:
         return {"hot": 2 * B * H * n * D * elt}, {"hot": n}
@@ -198,6 +215,8 @@ def layer_estimate(
     cold_blocks = blocks - warm_cap
     warm_codec, cold_codec = make_codecs(policy, D)
     nbytes = {"sink": 0, "hot": 2 * B * H * capacity * D * elt, "warm": 0, "cold": 0}
+    if budget is not None and n:  # the warm-up's statistics, until the allocation frees them
+        nbytes["measure"] = budget.planned_measure_bytes(n, blocks)
     tokens = {"sink": 0, "hot": hot, "warm": warm_cap * T, "cold": 0, "evicted": 0}
     if blocks and policy.sink_tokens:
         nbytes["sink"] = 2 * B * H * policy.sink_tokens * D * elt + 8 * B
@@ -276,7 +295,7 @@ def estimate(
             held = min(n, shape.sliding_window or n)
             per_tier["other"] += 2 * B * H * held * D * torch.empty((), dtype=dtype).element_size()
             fp16 += 2 * B * H * held * D * 2
-    for optional in ("store", "other"):
+    for optional in ("store", "other", "measure"):
         if not per_tier[optional]:
             del per_tier[optional]
     return Estimate(pol.name, seq_len, batch, fp16, per_tier, tokens)
@@ -311,9 +330,7 @@ def capped_tokens(
 def format_estimates(shape: ModelShape, plans: list[Estimate]) -> str:
     """A readable table of plans (GB = 1e9 bytes)."""
     gb = 1e9
-    head = (
-        f"{'policy':<16}" + "".join(f"{t:>10}" for t in TIERS[:-1]) + f"{'total GB':>11}{'vs fp16':>9}{'resident':>10}"
-    )
+    head = f"{'policy':<16}" + "".join(f"{t:>10}" for t in _TABLE) + f"{'total GB':>11}{'vs fp16':>9}{'resident':>10}"
     lines = [
         f"{shape.name}: {shape.num_layers} layers x {shape.kv_heads} KV heads x head_dim {shape.head_dim}, "
         f"{plans[0].seq_len} tokens x batch {plans[0].batch}",
@@ -322,7 +339,7 @@ def format_estimates(shape: ModelShape, plans: list[Estimate]) -> str:
         head,
     ]
     for p in plans:
-        row = "".join(f"{p.per_tier.get(t, 0) / gb:>10.3f}" for t in TIERS[:-1])
+        row = "".join(f"{p.per_tier.get(t, 0) / gb:>10.3f}" for t in _TABLE)
         resident = p.resident_bytes / p.fp16_bytes
         lines.append(f"{p.policy:<16}{row}{p.total_bytes / gb:>11.3f}{p.ratio:>9.3f}{resident:>10.3f}")
     return "\n".join(lines)

@@ -1,5 +1,7 @@
-"""A tiny random Llama built in code (no files, no network), for the tests and the benchmarks
-that need a model but not a real one (``tests/conftest.py``, ``benchmarks/soak.py``).
+"""Tiny random models built in code (no files, no network), for the tests and the benchmarks that
+need a model but not a real one (``tests/conftest.py``, ``benchmarks/soak.py``): a Llama (head dim
+16) and a Qwen2 with the real Qwen2.5-Coder-1.5B's attention shape (head dim 128, 6:1 GQA, q/k/v
+biases, rope theta 1e6).
 
 May import: torch and transformers.
 """
@@ -7,7 +9,7 @@ May import: torch and transformers.
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 
 def tiny_llama_config(**overrides: object) -> LlamaConfig:
@@ -38,3 +40,52 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: o
         model.lm_head.weight.mul_(8.0)
     model.generation_config.pad_token_id = 0
     return model
+
+
+def tiny_qwen2_config(**overrides: object) -> Qwen2Config:
+    """Qwen2.5-Coder-1.5B's attention shape on a tiny body: 2 layers, hidden 96, 12 query / 2 KV
+    heads of dim 128 (6:1 GQA), q/k/v biases (Qwen2's), rope theta 1e6, vocabulary 97."""
+    cfg: dict[str, object] = dict(
+        vocab_size=97,
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        head_dim=128,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    cfg.update(overrides)
+    return Qwen2Config(**cfg)
+
+
+def tiny_qwen2(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: object) -> Qwen2ForCausalLM:
+    """A random :func:`tiny_qwen2_config` model in eval mode, seeded; biases random (Qwen2's are
+    large in trained models: keys get a per-channel offset) and ``lm_head`` scaled as in :func:`tiny_llama`."""
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(tiny_qwen2_config(**overrides)).to(dtype).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+        model.lm_head.weight.mul_(8.0)
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def random_ids(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    """``[batch, n]`` random token ids of the tiny models' vocabulary (3..96: no pad, bos or eos), seeded."""
+    return torch.randint(3, 97, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def feed(model, cache, ids: torch.Tensor, chunk: int = 256) -> torch.Tensor:  # noqa: ANN001
+    """Run ``ids`` through ``model`` in chunks of ``chunk`` tokens with ``cache``; logits of the last chunk."""
+    out = None
+    for s in range(0, ids.shape[1], chunk):
+        with torch.no_grad():
+            out = model(ids[:, s : s + chunk], cache=cache, use_cache=True).logits
+    return out

@@ -141,5 +141,8 @@ def gather_fields(fields: dict[str, torch.Tensor], blocks: torch.Tensor) -> dict
         if t.shape[1] != H:
             t = t.expand(t.shape[0], H, *t.shape[2:])
         view = idx.reshape(B, H, k, *([1] * (t.dim() - 3))).expand(B, H, k, *t.shape[3:])
-        out[name] = t.gather(2, view)
+        if t.dtype.is_floating_point and t.element_size() == 1:  # fp8 (e.g. cold_meta="fp8"): torch has
+            out[name] = t.view(torch.uint8).gather(2, view).view(t.dtype)  # no fp8 gather; move the bytes
+        else:
+            out[name] = t.gather(2, view)
     return out

@@ -13,7 +13,10 @@ How the allocation works (calibration-free: it measures the text being cached):
 1. While ``seen < warmup_tokens`` every block entering the warm tier is also coded, rotated, at each
    candidate width (keys and values apart, :func:`kvtier.quant.quantize_ab` with the codec's
    parameter format). Attention hands the layer its latest (scaled) query rows
-   (:meth:`LayerErrors.observe_queries`).
+   (:meth:`LayerErrors.observe_queries`). What the measurement holds is real memory and is
+   counted as such (``memory_report()``'s ``"measure"`` bytes, ``max_bytes``, ``kvtier plan``):
+   fp64 accumulators per layer, plus a call's query rows until its settle ends; the allocation
+   (step 3) frees all of it.
 2. Distortion, per layer and width: the error of the attention output of those queries over the
    block (its own softmax), with the keys coded (values exact) and with the values coded (keys
    exact), relative to the output's energy - measured, not modelled: a first proxy (key error
@@ -67,13 +70,38 @@ class LayerErrors:
         self.tokens = 0  # valid token rows (per head)
         self.q_sq = torch.zeros(heads, dim, dtype=torch.float64)
         self.q_rows = 0
-        self.queries: torch.Tensor | None = None  # latest rows, rotated [H, R, D]
+        self.queries: torch.Tensor | None = None  # this call's latest rows, rotated [H, R, D]
         self.out_err = {side: {w: 0.0 for w in widths} for side in ("k", "v")}
         self.out_energy = 0.0
+        self.frozen: dict[tuple[str, int], float] | None = None  # distortions, once the warm-up ended
+
+    @staticmethod
+    def nbytes(widths: int, heads: int, dim: int) -> int:
+        """Bytes of the accumulators of :meth:`tensors` between calls (``widths`` candidate widths)."""
+        return 8 * (widths * heads * dim + widths * heads + 2 * heads * dim + heads)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The measurement tensors held now: the accumulators ([H, D] and [H] fp64 on the CPU: key and
+        value errors per width, value sums, query energy) and, during a call, its query rows. Empty
+        once :meth:`freeze` ran."""
+        if self.frozen is not None:
+            return []
+        out = [*self.key_err.values(), *self.value_err.values(), self.v_sum, self.v_sq, self.q_sq]
+        return out if self.queries is None else [*out, self.queries]
+
+    def freeze(self) -> None:
+        """The warm-up is over: keep the distortions (what :meth:`distortion` reads) as numbers and
+        free every measurement tensor (idempotent)."""
+        if self.frozen is None:
+            self.frozen = {(side, w): self.distortion(side, w) for side in ("k", "v") for w in self.widths}
+            self.key_err, self.value_err, self.queries = {}, {}, None
+            self.v_sum = self.v_sq = self.q_sq = torch.zeros(0, dtype=torch.float64)
 
     @torch.no_grad()
     def observe_block(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
         """Blocks ``k, v: [B, H, n, T, D]`` (any float dtype), ``valid: bool [B, 1, n, T]``."""
+        if self.frozen is not None:
+            return
         B, H, n, T, D = k.shape
         G = self.group
         r = rotation(D, k.device)
@@ -127,7 +155,10 @@ class LayerErrors:
     @torch.no_grad()
     def observe_queries(self, rows: torch.Tensor, keep: int = 32) -> None:
         """Scaled query rows ``[B, H, R, D]`` of one attention call: their energy per rotated channel,
-        and the latest ``keep`` rows per KV head (of the first sequence) for the output errors."""
+        and the latest ``keep`` rows per KV head (of the first sequence) for the output errors (held
+        until the call's settle ends: :meth:`Budget.end_call`)."""
+        if self.frozen is not None:
+            return
         qr = rows.float() @ rotation(rows.shape[-1], rows.device)
         self.q_sq += (qr**2).sum((0, 2)).double().cpu()
         self.q_rows += rows.shape[0] * rows.shape[2]
@@ -136,6 +167,8 @@ class LayerErrors:
     def distortion(self, side: str, width: int) -> float:
         """Relative distortion of the layer's attention output with ``side`` (``"k"`` or ``"v"``) at
         ``width`` (see the module doc); 0 before any block was observed."""
+        if self.frozen is not None:
+            return self.frozen[(side, width)]
         if self.tokens == 0:
             return 0.0
         if self.out_energy > 0:
@@ -324,6 +357,36 @@ class Budget:
         observed = sum(e.tokens > 0 for e in self.errors.values())
         return seen < self.adaptive.warmup_tokens or observed < self.layers
 
+    def end_call(self, layer_idx: int, seen: int) -> None:
+        """A layer's settle ends: its query rows go (they serve the blocks the same call measures),
+        and once the warm-up is over the allocation is made, which frees every layer's measurement
+        (see :meth:`allocate`), so no measurement tensor outlives the warm-up."""
+        self.drop_queries(layer_idx)
+        if self.widths is None and self.errors and not self.measuring(seen):
+            self.allocate()
+
+    def drop_queries(self, layer_idx: int) -> None:
+        """Forget a layer's query rows (a call's settle ended, or failed)."""
+        err = self.errors.get(layer_idx)
+        if err is not None:
+            err.queries = None
+
+    def measure_tensors(self, layer_idx: int) -> list[torch.Tensor]:
+        """The measurement tensors of one layer held now (empty after the warm-up)."""
+        err = self.errors.get(layer_idx)
+        return [] if err is None else err.tensors()
+
+    def planned_measure_bytes(self, seen: int, moved_blocks: int) -> int:
+        """Bytes of one layer's measurement between calls at length ``seen`` with ``moved_blocks``
+        blocks past the hot window (what :func:`kvtier.sizing.estimate` prices): its accumulators
+        while the warm-up lasts (``warmup_tokens`` and a first block of non-sink tokens measured)."""
+        s = self.shape
+        assert s is not None and self.policy.hot_tokens is not None
+        first = self.policy.sink_tokens // self.policy.block_tokens  # blocks the sinks fill wholly
+        if seen >= self.adaptive.warmup_tokens and moved_blocks > first:
+            return 0
+        return LayerErrors.nbytes(len(self.adaptive.widths), s.heads, s.dim)
+
     def cold_codec(self, layer_idx: int) -> MixedCodec:
         """The layer's cold codec (allocating first if needed)."""
         if self.widths is None:
@@ -381,13 +444,16 @@ class Budget:
         return room / slots - meta_rate
 
     def allocate(self) -> dict[int, tuple[int, int]]:
-        """Choose the cold widths from what was measured (see :func:`allocate`); idempotent. Warns
+        """Choose the cold widths from what was measured (see :func:`allocate`) and free the
+        measurement tensors (:meth:`LayerErrors.freeze`); idempotent. Warns
         (:class:`~kvtier.errors.BudgetWarning`) when even the narrowest widths cannot hold ``bits``
         at ``fit_tokens``: the cache then holds more than asked, and says so once."""
         if self.widths is not None:
             return self.widths
         budget = self.code_budget()
         self.widths = allocate(self.errors, self.adaptive.widths, self.code_bytes(), budget)
+        for err in self.errors.values():  # measuring is over: its tensors go
+            err.freeze()
         floor = self.floor_bits()
         if floor > self.adaptive.bits + 1e-9:
             warnings.warn(

@@ -13,6 +13,9 @@ CONTRIBUTING.md):
   of the value codes; both ``bits`` except in :class:`MixedCodec`), ``rotate`` (codes of
   ``x @ rotation``), ``value_group``;
 * ``encode(k, v, valid) -> fields``, ``decode_keys`` / ``decode_values`` / ``decode``, ``nbytes``;
+  ``encode`` refuses a block whose parameters would leave their fp16 / fp8 format
+  (:func:`check_params`: a :class:`~kvtier.errors.StorageRangeError`, never ``inf`` or clamped
+  parameters);
 * ``AFFINE``: how every stored value follows from its code, ``x = a * code + b``, with ``(a, b)``
   read from the two metadata fields after the codes in ``KERNEL_FIELDS`` by one rule of
   :data:`AFFINE_MODES` (the kernels' codec switch: fused C++ ``Meta``, Triton ``_affine``), or
@@ -29,6 +32,7 @@ from typing import ClassVar
 
 import torch
 
+from ..errors import StorageRangeError
 from ..policy import TierPolicy
 from ..quant import (
     dequantize_kbit,
@@ -43,6 +47,40 @@ from ..quant import (
 )
 
 _FP16 = 2
+
+
+def check_params(what: str, params: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], fix: str = "") -> None:
+    """Refuse a block whose quantization parameters do not fit their format.
+
+    A stored parameter at or beyond its format's largest finite value is out of range: fp16
+    overflows to ``inf`` (an ``inf`` scale decodes ``inf``/``NaN``), fp8 e4m3 saturates at 448
+    (a clamped ``(a, b)`` decodes silently wrong values). The check reads only the parameters
+    (one small reduction per encode); the inputs are read only when it fails, to leave alone a
+    block whose own values are not finite (the model's ``inf``/``NaN`` is not a range problem).
+
+    Parameters
+    ----------
+    what : the codec, named in the error.
+    params : the stored parameter tensors (fp16 or fp8).
+    inputs : the blocks they were fitted to (``k, v``), as given to ``encode``.
+    fix : what to do instead, appended to the message.
+
+    Raises
+    ------
+    StorageRangeError : naming the largest ``|value|`` of the block and the format's limit.
+    """
+    hits = [p.float().abs() >= torch.finfo(p.dtype).max for p in params]  # inf included
+    if not bool(torch.stack([h.any() for h in hits]).any()):
+        return
+    if not all(bool(torch.isfinite(x).all()) for x in inputs):
+        return
+    worst = max(float(x.float().abs().amax()) for x in inputs)
+    fmts = sorted({f"{str(p.dtype).removeprefix('torch.')} (largest {torch.finfo(p.dtype).max:g})" for p in params})
+    raise StorageRangeError(
+        f"{what} cannot quantize a block whose keys/values reach |x| = {worst:.4g}: its parameters would leave "
+        f"their format, {', '.join(fmts)}, and decode inf/NaN or clamped values{fix}"
+    )
+
 
 #: How a kernel reads ``(a, b)`` of ``x = a * code + b`` from a codec's two stored parameters
 #: ``(p1, p2)``: ``"ab"`` given directly, ``"scale_zero"`` ``a = p1, b = -p1 * p2`` (k-bit),
@@ -130,6 +168,7 @@ class KBitCodec(AffineCodec):
         tv = _token_valid(valid)
         kq, ks, kz = quantize_kbit(k, self.bits, dim=3, valid=tv)
         vq, vs, vz = quantize_kbit(v.reshape(B, H, n, T, D // G, G), self.bits, dim=5, valid=tv.unsqueeze(-1))
+        check_params(self.name, (ks, vs), (k, v))  # |zero| <= ZERO_MAX by construction
         return {
             "k_codes": pack_bits(kq, self.bits),
             "k_scale": ks,
@@ -193,6 +232,7 @@ class SignCodec(AffineCodec):
         tv = _token_valid(valid)
         ks, kscale, kmean = quantize_sign(k, dim=3, valid=tv)
         vs, vscale, vmean = quantize_sign(v.reshape(B, H, n, T, D // G, G), dim=5, valid=tv.unsqueeze(-1))
+        check_params(self.name, (kscale, kmean, vscale, vmean), (k, v))
         return {
             "k_signs": pack_bits(ks, 1),
             "k_scale": kscale,
@@ -280,6 +320,10 @@ class MixedCodec(AffineCodec):
         kq, ka, kb = quantize_ab(k, self.key_bits, dim=3, valid=tv, dtype=dt, clip=self.clip)
         vg = v.reshape(B, H, n, T, D // G, G)
         vq, va, vb = quantize_ab(vg, self.value_bits, dim=5, valid=tv.unsqueeze(-1), dtype=dt, clip=self.clip)
+        fix = ""
+        if self.meta == "fp8":
+            fix = "; fp16 parameters reach further (cold_meta='fp16', and AdaptivePolicy(meta='fp16') when adaptive)"
+        check_params(self.name, (ka, kb, va, vb), (k, v), fix)
         return {
             "k_codes": pack_bits(kq, self.key_bits),
             "k_a": ka,
@@ -339,7 +383,8 @@ def quantize_fp8(x: torch.Tensor, dim: int, valid: torch.Tensor | None = None) -
     if valid is not None:
         xf = torch.where(valid.expand_as(xf), xf, torch.zeros_like(xf))
     amax = xf.abs().amax(dim, keepdim=True)
-    # fp16 scale rounded up, so that the largest entry stays within +-448 (never saturates).
+    # fp16 scale rounded up, so that the largest entry stays within +-448 (never saturates); a scale
+    # clamped at fp16's largest value (|x| beyond ~2.9e7) is refused by Fp8Codec (check_params).
     scale = (amax / FP8_MAX * (1 + 2.0**-10)).clamp(FP8_SCALE_MIN, 65504.0).to(torch.float16)
     codes = (xf / scale.float()).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return codes.view(torch.uint8), scale
@@ -383,6 +428,7 @@ class Fp8Codec:
         tv = _token_valid(valid)
         kc, ks = quantize_fp8(k, dim=3, valid=tv)
         vc, vs = quantize_fp8(v.reshape(B, H, n, T, D // G, G), dim=5, valid=tv.unsqueeze(-1))
+        check_params(self.name, (ks, vs), (k, v))
         return {"k_codes": kc, "k_scale": ks, "v_codes": vc.reshape(B, H, n, T, D), "v_scale": vs.squeeze(-1)}
 
     def decode(self, f: dict[str, torch.Tensor], dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,17 +11,16 @@ from .codecs import Codec, KBitCodec, SignCodec, make_codecs, storage_dtype, val
 from .state import (
     ATTENTION_NAME,
     ATTENTION_PATHS,
-    FORWARDS,
     HANDLE_KEY,
     Journal,
     LayerState,
     forward_epoch,
+    mark_forward,
 )
 
 __all__ = [
     "ATTENTION_NAME",
     "ATTENTION_PATHS",
-    "FORWARDS",
     "HANDLE_KEY",
     "Codec",
     "Journal",
@@ -30,6 +29,7 @@ __all__ = [
     "SignCodec",
     "TieredLayer",
     "forward_epoch",
+    "mark_forward",
     "make_codecs",
     "storage_dtype",
     "value_group",

@@ -2,9 +2,10 @@
 
 Owns :class:`LayerState` (everything one layer of a :class:`~kvtier.TieredCache` does: tiers,
 settle/moves, input checks, the :class:`Journal` of all-or-nothing changes, eviction for byte
-caps, views for attention and reports), the forward-call counter ``FORWARDS`` and the names the
-adapter and attention share (``ATTENTION_NAME``, ``HANDLE_KEY``). The transformers cache layer
-:class:`kvtier.hf.layer.TieredLayer` is ``LayerState`` plus transformers' ``CacheLayerMixin``.
+caps, views for attention and reports), the ids of kvtier masks (:func:`mark_forward`,
+:func:`forward_epoch`) and the names the adapter and attention share (``ATTENTION_NAME``,
+``HANDLE_KEY``). The transformers cache layer :class:`kvtier.hf.layer.TieredLayer` is
+``LayerState`` plus transformers' ``CacheLayerMixin``.
 May import: torch, ``kvtier.cache`` (tiers, codecs), ``kvtier.policy``, ``kvtier.errors``,
 ``kvtier.stats``, and (lazily, for ``cold="offload"``) ``kvtier.offload``; never transformers,
 ``kvtier.attention`` or ``kvtier.hf``.
@@ -30,6 +31,10 @@ blocks taken from a tier's front, counts pushed onto a tier's back). ``settle`` 
 changes when a step fails; a :class:`~kvtier.TieredCache` keeps one journal per layer for a
 whole forward call and undoes every layer's changes when the call fails anywhere in kvtier.
 
+Crop (assisted and prompt-lookup decoding roll back rejected draft tokens): between calls,
+:meth:`LayerState.crop` removes the latest tokens while they are still in the exact hot buffer
+(every token of an exact layer) and refuses, changing nothing, beyond it; older tokens are coded.
+
 With ``policy.adaptive`` the layer shares a :class:`~kvtier.cache.adaptive.Budget` with the other
 layers of its cache: blocks entering warm are measured during the warm-up, the cold tier is created
 with the widths the budget allocates to this layer, and the warm capacity follows the budget
@@ -50,14 +55,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..errors import KVTierError
+from ..errors import KVTierError, StorageRangeError
 from ..policy import TierPolicy
 from ..stats import SparseStats, tensor_bytes
 from .codecs import make_codecs, storage_dtype, value_group
@@ -71,10 +78,15 @@ HANDLE_KEY = "tiered_layer"
 #: force that backend (kvtier.attention.plan, which reads this setting, says what each does).
 ATTENTION_PATHS = ("fast", "per-tier", "reference", "torch", "cpu", "fused", "triton")
 
-#: Count of kvtier masks built so far: transformers builds a model's mask once per forward call,
-#: before any layer runs, so a cache sees this change between forward calls exactly when the
-#: model runs kvtier's mask (and so kvtier's attention). Bumped by kvtier.hf.mask.kvtier_mask.
-FORWARDS = [0]
+#: Ids of kvtier masks: transformers builds a model's mask once per forward call, before any layer
+#: runs, in the thread that runs the call. Each build takes the next id (unique and increasing in
+#: the process) and records it as its thread's latest (``kvtier.hf.mask.kvtier_mask`` calls
+#: :func:`mark_forward`), so a cache sees a larger id in its calling thread exactly when that
+#: thread's model ran kvtier's mask (and so kvtier's attention) since the cache's last call; a mask
+#: built in another thread does not count.
+_MASK_IDS = itertools.count(1)
+_MASK_LOCK = threading.Lock()
+_LATEST = threading.local()
 
 #: Query tokens whose rows a layer keeps past its settle for :meth:`LayerState.rebalance` (the
 #: SnapKV observation window: the last tokens of the prompt).
@@ -90,9 +102,16 @@ def _last_tokens(obs: tuple[torch.Tensor, int] | None, n: int) -> tuple[torch.Te
     return rows.reshape(B, H, R // q, q, D)[:, :, :, -n:].reshape(B, H, R // q * n, D).clone(), n
 
 
+def mark_forward() -> int:
+    """Take the next mask id and record it as the calling thread's latest (see ``_MASK_IDS``)."""
+    with _MASK_LOCK:
+        _LATEST.id = next(_MASK_IDS)
+    return _LATEST.id
+
+
 def forward_epoch() -> int:
-    """The number of kvtier masks built so far (see ``FORWARDS``)."""
-    return FORWARDS[0]
+    """The id of the latest kvtier mask built in the calling thread (0: none yet; see ``_MASK_IDS``)."""
+    return getattr(_LATEST, "id", 0)
 
 
 class Journal:
@@ -154,7 +173,6 @@ class LayerState:
 
     is_sliding = False
     is_compileable = False
-    is_croppable = False
 
     def __init__(
         self,
@@ -291,6 +309,7 @@ class LayerState:
         if self.owner is not None:
             self.owner.begin_update(self)  # checks; starts this layer's journal of the call
         try:
+            self.check_exact_range(key_states, value_states)
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             self.hot.append(key_states.to(self.dtype), value_states.to(self.dtype))
@@ -300,6 +319,35 @@ class LayerState:
             raise
         attn_kwargs[HANDLE_KEY] = self
         return key_states, value_states
+
+    def check_exact_range(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Raise :class:`~kvtier.errors.StorageRangeError` (changing nothing) when the exact storage
+        (``policy.exact_dtype``: fp16 for an fp32 model under ``"half"``) cannot hold a finite value
+        of the call's states: it would become ``inf`` in the sinks and hot ring and the logits
+        ``NaN``. One max per key and value chunk, only when the storage is narrower than the model's
+        dtype; values that are not finite come from the model and are left alone."""
+        dtype = storage_dtype(self.policy, key_states.dtype)
+        limit = torch.finfo(dtype).max
+        if limit >= torch.finfo(key_states.dtype).max or not key_states.numel():
+            return
+        worst = [float(x.detach().abs().amax()) for x in (key_states, value_states)]
+        if max(worst) <= limit:
+            return
+        for i, x in enumerate((key_states, value_states)):  # inf from the model: the finite values alone
+            if worst[i] > limit and not math.isfinite(worst[i]):
+                a = x.detach().abs()
+                worst[i] = float(torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax())
+        if max(worst) <= limit:
+            return
+        where = "" if self.layer_idx is None else f" (layer {self.layer_idx})"
+        name = "keys" if worst[0] >= worst[1] else "values"
+        raise StorageRangeError(
+            f"TieredCache{where}: the model's {name} reach |x| = {max(worst):.4g}, beyond {limit:g}, the largest "
+            f"{str(dtype).removeprefix('torch.')} value: exact_dtype={self.policy.exact_dtype!r} stores sinks and "
+            f"hot tokens of this {str(key_states.dtype).removeprefix('torch.')} model in it, where they would become "
+            "inf; the cache is unchanged: use exact_dtype='bfloat16' (float32's range in 2 bytes, e.g. "
+            "kvtier.get_policy('default').replace(exact_dtype='bfloat16')) or 'model'"
+        )
 
     def abort(self, err: BaseException) -> None:
         """A step of this call failed: undo the call's changes (every layer's, with an owner)."""
@@ -337,10 +385,57 @@ class LayerState:
                 tier.index_select(index)
         self.batch = int(index.numel())
 
+    # --- crop (assisted / prompt-lookup decoding roll back rejected draft tokens) ------------------
+    @property
+    def is_croppable(self) -> bool:
+        """Whether :meth:`crop` can roll back recent tokens: an exact layer holds every token in its
+        hot buffer, a layer with a hot window at least the latest ``min(seen, hot_tokens)`` between
+        calls (``hot_tokens=0`` keeps too few to promise anything)."""
+        return self.policy.is_exact or bool(self.policy.hot_tokens)
+
+    @property
+    def croppable_tokens(self) -> int:
+        """How many of the latest tokens :meth:`crop` can remove now: those still in the exact hot
+        buffer (older ones are coded, captured as sinks or gone, and cannot be rolled back)."""
+        return self.hot.length if self.is_initialized else 0
+
+    def check_crop(self, tokens_to_remove: int) -> int:
+        """The number of tokens ``crop(tokens_to_remove)`` removes; raises, changing nothing, if it cannot."""
+        where = "" if self.layer_idx is None else f" (layer {self.layer_idx})"
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise TypeError(
+                f"crop(tokens_to_remove={tokens_to_remove!r}) is not allowed: expected an int <= 0 "
+                "(minus the number of latest tokens to remove)"
+            )
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop(tokens_to_remove={tokens_to_remove}) is not allowed: expected an int <= 0 (minus the number "
+                "of latest tokens to remove; a positive length to keep is refused, as transformers' DynamicCache does)"
+            )
+        if self.owner is not None:
+            self.owner.check_usable()
+        elif self.journal is not None:
+            raise KVTierError(f"TieredCache{where} cannot crop in the middle of a forward call")
+        n, most = -tokens_to_remove, self.croppable_tokens
+        if n > most:
+            raise KVTierError(
+                f"TieredCache{where} cannot crop {n} tokens: only the latest {most} are still exact (the hot window); "
+                f"older tokens are compressed and cannot be rolled back, so crop at most {most}"
+            )
+        return n
+
     def crop(self, tokens_to_remove: int) -> None:
-        """Not supported: quantized tokens cannot be restored (``is_croppable`` is False, so
-        transformers does not attempt it, e.g. for assisted decoding)."""
-        raise NotImplementedError("TieredCache cannot crop: its compressed tiers cannot be rolled back")
+        """Remove the latest ``-tokens_to_remove`` tokens (transformers' convention: ``crop(-n)``),
+        as assisted and prompt-lookup decoding do with rejected draft tokens. Only tokens still in
+        the exact hot buffer can go (:attr:`croppable_tokens`); beyond them a
+        :class:`~kvtier.errors.KVTierError` is raised and nothing changes. ``seen``, and with it
+        ``get_seq_length()`` and the mask sizes, drops by ``n``. For an exact layer the result is
+        what the cache held before those tokens; a layer with a hot window keeps the same tokens,
+        but blocks the dropped tokens pushed out of the window stay coded (moved a few steps early)."""
+        n = self.check_crop(tokens_to_remove)
+        if n:
+            self.hot.truncate(self.hot.length - n)
+            self.seen -= n
 
     def offload(self) -> None:  # transformers' layer offloading does not apply to packed tiers
         return None
@@ -362,6 +457,17 @@ class LayerState:
             setattr(new, name, value)
         return new
 
+    def __getstate__(self) -> dict:
+        """For ``pickle``: the owner by strong reference (pickle keeps the cycle), not mid-call."""
+        if self.journal is not None:
+            raise KVTierError("a TieredCache cannot be pickled in the middle of a forward call")
+        return {**self.__dict__, "_owner": self.owner}
+
+    def __setstate__(self, state: dict) -> None:
+        owner = state.pop("_owner", None)
+        self.__dict__.update(state)
+        self._owner = None if owner is None else weakref.ref(owner)
+
     # --- tier movement ------------------------------------------------------------------------
     def settle(self, token_valid: torch.Tensor | None) -> None:
         """Move the hot overflow down the tiers, all or nothing.
@@ -379,14 +485,23 @@ class LayerState:
             self._move(token_valid)
             if self.budget is not None and self.budget.measuring(self.seen):
                 self._pending = (_last_tokens(self._obs, REBALANCE_OBS_TOKENS), token_valid)
+            if self.budget is not None:  # the call's query rows go; the warm-up's tensors once it ends
+                self.budget.end_call(self._budget_idx, self.seen)
             if self.owner is not None:
                 self.owner.layer_done(self)
         except BaseException as err:
             self._pending = None
             self.abort(err)
+            if isinstance(err, StorageRangeError) and self.layer_idx is not None and not str(err).startswith("Tiered"):
+                raise StorageRangeError(
+                    f"TieredCache (layer {self.layer_idx}): {err}; the cache is unchanged: keep this layer exact "
+                    f"(layer_overrides={{{self.layer_idx}: 'exact'}})"
+                ) from err
             raise
         finally:
             self._obs = self._token_valid = None
+            if self.budget is not None:
+                self.budget.drop_queries(self._budget_idx)
         if own and self.journal is not None:
             self.journal.commit(self)
 
@@ -608,7 +723,8 @@ class LayerState:
 
     def tier_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Every tensor this layer holds next to the compute, by tier (an offloading cold tier:
-        sketches, block table and checksums as ``cold``, prefetched blocks as ``staging``)."""
+        sketches, block table and checksums as ``cold``, prefetched blocks as ``staging``; an
+        adaptive layer's warm-up statistics as ``measure``, until its budget allocates)."""
         out = {
             "sink": self.sinks.tensors(),
             "hot": self.hot.tensors(),
@@ -617,6 +733,8 @@ class LayerState:
         }
         if getattr(self.cold, "is_offloaded", False):
             out["staging"] = self.cold.staging_tensors()
+        if self.budget is not None:
+            out["measure"] = self.budget.measure_tensors(self._budget_idx)
         return out
 
     def offloaded_bytes(self) -> int:

@@ -114,6 +114,15 @@ class HotBuffer:
         self.length = rest
         return old_k[:, :, :n], old_v[:, :, :n]
 
+    def truncate(self, length: int) -> None:
+        """Keep the oldest ``length`` tokens (drop the latest: a crop). The slots past ``length``
+        become free for later appends, as after a restore; an exact buffer (``bound=None``, sized
+        to what it holds) keeps views of its first ``length`` tokens, as ``DynamicCache`` does."""
+        assert 0 <= length <= self.length
+        if self.k is not None and self.bound is None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+        self.length = length
+
     def index_select(self, index: torch.Tensor) -> None:
         if self.k is not None:
             self.k = self.k.index_select(0, index.to(self.k.device))

@@ -22,6 +22,10 @@ import torch.nn.functional as F
 
 from .caches import CacheSpec, cache_spec, kv_bytes
 
+#: The shortest window that scores a prediction: of ``W`` tokens the last half after the first
+#: ``W // 2`` is scored, ``W - 1 - W // 2`` predictions (none for ``W <= 2``).
+MIN_WINDOW_TOKENS = 3
+
 
 @dataclass
 class StreamScore:
@@ -93,6 +97,11 @@ def stream_compare(
     specs = [reference] + [s for s in specs if s.name != reference.name]
     W = ids.shape[1]
     eval_from = W // 2 if eval_from is None else eval_from
+    if not 0 <= eval_from < W - 1:
+        raise ValueError(
+            f"eval_from={eval_from} is not allowed with a window of {W} tokens: expected 0 <= eval_from < {W - 1} "
+            f"(at least one scored prediction; by default windows need {MIN_WINDOW_TOKENS} tokens)"
+        )
     caches = [s.build(model) for s in specs]
     if caches_out is not None:
         caches_out.update({s.name: c for s, c in zip(specs, caches)})

@@ -20,6 +20,10 @@ from dataclasses import dataclass
 import torch
 
 QUESTION = "What is the secret number mentioned in the text above?"
+#: The shortest context a case is built for: the planted fact takes 22 tokens of SmolLM2 (at most
+#: ~48 in any tokenizer: 48 bytes), and the text around it at least one. Shorter contexts are
+#: refused, not silently lengthened.
+MIN_CONTEXT_TOKENS = 64
 ANSWER_PREFIX = "The secret number is"
 
 
@@ -35,11 +39,19 @@ class RecallCase:
 
 
 def build_case(tokenizer, text: str, context_tokens: int, depth: float, seed: int) -> RecallCase:
-    """Plant a random 5-digit number at ``depth`` of a ``context_tokens`` excerpt of ``text``."""
+    """Plant a random 5-digit number at ``depth`` of a ``context_tokens`` excerpt of ``text``
+    (at least ``MIN_CONTEXT_TOKENS``, and more than the fact's tokens)."""
+    if context_tokens < MIN_CONTEXT_TOKENS:
+        raise ValueError(f"context_tokens={context_tokens} is not allowed: expected at least {MIN_CONTEXT_TOKENS}")
     rnd = random.Random(seed)
     key = str(rnd.randint(10000, 99999))
     fact = tokenizer(f" The secret number is {key}. Remember it: {key}. ", add_special_tokens=False).input_ids
-    body_len = max(1, context_tokens - len(fact))
+    body_len = context_tokens - len(fact)
+    if body_len < 1:
+        raise ValueError(
+            f"context_tokens={context_tokens} is not allowed: the planted fact alone takes {len(fact)} tokens "
+            f"of this tokenizer; expected at least {len(fact) + 1}"
+        )
     ids = tokenizer(text[: body_len * 8 + 20000], add_special_tokens=False).input_ids
     if len(ids) < body_len + 10:
         raise ValueError(f"text too short for a {context_tokens}-token recall case")

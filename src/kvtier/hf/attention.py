@@ -5,6 +5,10 @@ own, so nothing of transformers' is replaced) and switches the model to it;
 ``kvtier.disable(model)`` switches the model back to the implementation it had. ``enable`` also
 works as a context manager; nested ``enable`` blocks are counted, and the model switches back only
 when the outermost one is left (or as many ``disable`` calls as ``enable`` calls were made).
+Every ``enable`` leaves the model on kvtier attention, even if something switched it away
+(``model.set_attn_implementation("sdpa")``) inside an open block; the outermost ``disable`` then
+restores the implementation the model had before the first ``enable``. Enable and disable are
+safe to call from several threads.
 
 Part of the transformers adapter. May import: transformers, ``kvtier.attention.interface`` (the
 attention function), ``kvtier.hf.mask``, ``kvtier.cache.state``.
@@ -12,6 +16,7 @@ attention function), ``kvtier.hf.mask``, ``kvtier.cache.state``.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 from transformers import AttentionInterface, PreTrainedModel
@@ -23,6 +28,7 @@ from .mask import kvtier_mask
 
 #: model -> [implementation before the first enable, open enables]
 _PREVIOUS: weakref.WeakKeyDictionary[PreTrainedModel, list] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()  # guards _PREVIOUS and the switch of a model
 
 
 def register() -> None:
@@ -43,14 +49,15 @@ class enable:
             raise TypeError(f"kvtier.enable expects a transformers model, got {type(model).__name__}")
         register()
         self.model = model
-        entry = _PREVIOUS.get(model)
-        if entry is None:
+        with _LOCK:
             current = model.config._attn_implementation
-            if current != ATTENTION_NAME:
+            if current != ATTENTION_NAME:  # also when switched away inside an open enable
                 model.set_attn_implementation(ATTENTION_NAME)
-            _PREVIOUS[model] = [current, 1]
-        else:
-            entry[1] += 1
+            entry = _PREVIOUS.get(model)
+            if entry is None:
+                _PREVIOUS[model] = [current, 1]
+            else:
+                entry[1] += 1
 
     def __enter__(self) -> PreTrainedModel:
         return self.model
@@ -60,12 +67,14 @@ class enable:
 
 
 def disable(model: PreTrainedModel) -> None:
-    """Close one :class:`enable`; the last one restores the attention implementation ``model`` had."""
-    entry = _PREVIOUS.get(model)
-    if entry is None:
-        return
-    entry[1] -= 1
-    if entry[1] <= 0:
-        del _PREVIOUS[model]
-        if entry[0] != ATTENTION_NAME:
-            model.set_attn_implementation(entry[0])
+    """Close one :class:`enable`; the last one restores the attention implementation ``model`` had
+    before the first ``enable`` (whatever was set in between)."""
+    with _LOCK:
+        entry = _PREVIOUS.get(model)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _PREVIOUS[model]
+            if model.config._attn_implementation != entry[0]:
+                model.set_attn_implementation(entry[0])

@@ -9,14 +9,30 @@ use transformers' own layer classes. The cache needs kvtier's attention function
 the tiers directly; ``kvtier.enable(model)`` switches a model to it.
 
 Every call is checked before anything changes: the model must run kvtier's attention for this
-call (its config says so, and a kvtier mask was built since the cache's last call: transformers
-builds the mask once per forward), and the states must fit the cache (layer count, KV heads,
-head dim, batch, device, dtype). A forward call is all-or-nothing: each tiered layer keeps a
-journal of the call's changes (see :mod:`kvtier.cache.state`), and a failure anywhere in kvtier
-(an exception, Ctrl-C, a full disk, a byte cap) undoes every layer's changes before it reaches
-the caller. A call interrupted outside kvtier (between two layers) is undone when the cache is
-next used, with an error asking to call again. If undoing itself fails, the cache refuses every
-later use, naming the first fault.
+call (its config says so, and a kvtier mask was built in the calling thread since the cache's
+last call began: transformers builds the mask once per forward), and the states must fit the
+cache (layer count, KV heads, head dim, batch, device, dtype). A forward call is all-or-nothing:
+each tiered layer keeps a journal of the call's changes (see :mod:`kvtier.cache.state`), and a
+failure anywhere in kvtier (an exception, Ctrl-C, a full disk, a byte cap) undoes every layer's
+changes before it reaches the caller. A call interrupted outside kvtier (between two layers) is
+undone when the cache is next used, with an error asking to call again. If undoing itself fails,
+the cache refuses every later use, naming the first fault.
+
+Threads: a cache serves one forward call at a time. While a call is open in one thread, a call
+from another thread (and ``reorder_cache``, ``batch_select_indices``, ``reset``, ``close``, a copy
+or a pickle) is refused at once with a :class:`~kvtier.KVTierError` naming concurrent use, before
+anything changes, and the open call runs on untouched (the check and the start of a call are one
+step under a lock). Refusing rather than serializing keeps a second user's tokens from silently
+landing in the middle of someone else's conversation: sharing one cache between threads is a bug
+in the caller. One call after another from different threads is fine, and so are separate caches
+in separate threads (a kvtier mask counts only in the thread that built it). A call left open by
+a thread that has ended is undone at the next use, as an interrupted one.
+
+Copies: ``copy.copy`` is refused (it would share the layers); ``copy.deepcopy`` shares the config
+it was built from (``kvtier.enable`` switches the model's config, and the copy follows the model
+as the original does); ``pickle`` works for caches without offloading (an unpickled cache holds a
+copy of the config, so only the mask check tells whether the model runs kvtier attention) and an
+offloading cache refuses it.
 
 Byte caps: ``max_bytes=N`` bounds the bytes the cache holds after every call (what
 :meth:`memory_report` counts: every tensor of every layer, offloaded blocks included). With
@@ -32,7 +48,11 @@ holds its exact K/V).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -51,10 +71,11 @@ ON_FULL = ("error", "evict", "degrade")
 
 
 class _Call:
-    """One forward call in progress: its mask epoch and the journals of the layers it reached."""
+    """One forward call in progress: its mask id, its thread and the journals of the layers it reached."""
 
     def __init__(self, epoch: int):
         self.epoch = epoch
+        self.thread = threading.current_thread()
         self.journals: dict[int, tuple[TieredLayer, Journal]] = {}
         self.done = 0
 
@@ -145,19 +166,46 @@ class TieredCache(Cache):
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
         super().__init__(layers=layers)
         self.num_tiered = sum(isinstance(layer, TieredLayer) for layer in layers)
-        self._epoch = forward_epoch()  # mask epoch of the last finished call (or of construction)
+        self._epoch = forward_epoch()  # mask id of the last call (or this thread's at construction)
         self._call: _Call | None = None
+        self._lock = threading.RLock()  # held to check and change ``_call`` (see the module doc)
+        self._config_is_live = True  # False once unpickled: ``config`` is then a copy
         self._fault: str | None = None
         self._bytes: dict[int, int] = {}  # bytes of each tiered layer after its last settled call
 
     # --- checks and the call journal ------------------------------------------------------------
-    def check_usable(self) -> None:
-        """Between calls (beam reordering, copies): raise if an earlier fault left the cache
-        unusable, and undo a call that was interrupted outside kvtier."""
-        self._check_fault()
-        if self._call is not None:
-            self._rollback(self._call)
+    def check_usable(self, what: str = "a change between calls") -> None:
+        """Between calls (beam reordering, copies): raise if a call of another thread is open
+        (``what`` names the refused use), or if an earlier fault left the cache unusable, and undo
+        a call that was interrupted outside kvtier."""
+        with self._lock:
+            self._claim(what)
+            self._check_fault()
+            if self._call is not None:
+                self._rollback(self._call)
+                raise self._interrupted()
+
+    def _claim(self, what: str) -> None:
+        """Raise, changing nothing, if a forward call of another live thread is open (the caller
+        holds ``_lock``); a call whose thread has ended is undone as an interrupted one."""
+        call = self._call
+        if call is None or call.thread is threading.current_thread():
+            return
+        if not call.thread.is_alive():
+            self._rollback(call)
             raise self._interrupted()
+        raise KVTierError(
+            f"this TieredCache is in use by a forward call in thread {call.thread.name!r} (concurrent use): "
+            f"{what} from thread {threading.current_thread().name!r} is refused; a cache serves one call at a "
+            "time: give each thread its own TieredCache, or wait for the call to end"
+        )
+
+    @contextmanager
+    def _between_calls(self, what: str) -> Iterator[None]:
+        """Hold the lock over a change between calls, once :meth:`check_usable` passed."""
+        with self._lock:
+            self.check_usable(what)
+            yield
 
     def _check_fault(self) -> None:
         if self._fault is not None:
@@ -171,8 +219,9 @@ class TieredCache(Cache):
         )
 
     def check_attention(self) -> None:
-        """Raise unless the model's config (if the cache was built from it) selects kvtier attention."""
-        impl = getattr(self.config, "_attn_implementation", None)
+        """Raise unless the model's config (if the cache was built from it) selects kvtier attention
+        (not checked on an unpickled cache, whose config is a copy: the mask check remains)."""
+        impl = getattr(self.config, "_attn_implementation", None) if self._config_is_live else None
         if impl is not None and impl != ATTENTION_NAME:
             raise KVTierError(
                 f"TieredCache reads its compressed tiers in kvtier's attention, but the model uses {impl!r}: "
@@ -189,30 +238,37 @@ class TieredCache(Cache):
     def begin_update(self, layer: TieredLayer) -> None:
         """Called by ``layer.update`` before it changes anything: check the call, start the layer's journal.
 
-        A call's first layer starts a new :class:`_Call`, which needs a kvtier mask built since the
-        last call (else the model is not running kvtier attention); the other layers join it. A
-        layer already in the open call means a new forward began before the previous one finished.
+        A call's first layer starts a new :class:`_Call`, which needs a kvtier mask built in this
+        thread since the last call began (a larger mask id; else the model is not running kvtier
+        attention); the other layers join it. A layer already in the open call means a new forward
+        began before the previous one finished. A call of another thread is refused first.
         """
-        self._check_fault()
-        self.check_attention()
-        idx, epoch, call = layer.layer_idx, forward_epoch(), self._call
-        if call is not None and idx in call.journals:
-            self._rollback(call)
-            if epoch == call.epoch:
-                raise self._misuse()
-            raise self._interrupted()
-        if call is None:
-            if epoch == self._epoch:
-                raise self._misuse()
-            call = self._call = _Call(epoch)
-        layer.journal = Journal(layer)
-        call.journals[idx] = (layer, layer.journal)
+        with self._lock:  # check and start the call in one step: a second thread sees it open
+            self._claim("this call")
+            self._check_fault()
+            self.check_attention()
+            idx, epoch, call = layer.layer_idx, forward_epoch(), self._call
+            if call is not None and idx in call.journals:
+                self._rollback(call)
+                if epoch == call.epoch:
+                    raise self._misuse()
+                raise self._interrupted()
+            if call is None:
+                if epoch <= self._epoch:
+                    raise self._misuse()
+                call = self._call = _Call(epoch)
+            layer.journal = Journal(layer)
+            call.journals[idx] = (layer, layer.journal)
 
     def layer_done(self, layer: TieredLayer) -> None:
         """Called at the end of ``layer.settle``: enforce the byte cap; keep the call once every
         tiered layer is done."""
+        with self._lock:
+            self._layer_done(layer)
+
+    def _layer_done(self, layer: TieredLayer) -> None:
         call = self._call
-        if call is None or layer.layer_idx not in call.journals:
+        if call is None or call.thread is not threading.current_thread() or layer.layer_idx not in call.journals:
             return
         if self.max_bytes is not None:
             self._enforce_cap(layer)
@@ -229,9 +285,10 @@ class TieredCache(Cache):
 
     def abort(self, err: BaseException) -> None:
         """A step of the current call failed with ``err``: undo every layer's changes."""
-        call = self._call
-        if call is not None:
-            self._rollback(call, err)
+        with self._lock:
+            call = self._call
+            if call is not None and call.thread is threading.current_thread():
+                self._rollback(call, err)
 
     def _rollback(self, call: _Call, err: BaseException | None = None) -> None:
         self._call, self._epoch = None, call.epoch
@@ -287,10 +344,14 @@ class TieredCache(Cache):
         others = other_layers + sum(self._held(t) for t in self.tiered_layers if t is not layer)
         if own + others > self.max_bytes:
             what = "even after evicting every non-sink block of layer" if self.on_full != "error" else "at layer"
+            advice = (
+                "raise max_bytes, use on_full='evict', or a smaller policy"
+                if self.on_full == "error"  # evict/degrade already dropped all they may: sinks and hot stay
+                else "raise max_bytes, or use a smaller policy (fewer sink_tokens or hot_tokens) or shorter calls"
+            )
             raise CacheFullError(
                 f"this call would make the cache hold {own + others:,} bytes > max_bytes={self.max_bytes:,} "
-                f"({what} {layer.layer_idx}: {own:,} bytes); the cache is unchanged: raise max_bytes, use "
-                "on_full='evict', or a smaller policy"
+                f"({what} {layer.layer_idx}: {own:,} bytes); the cache is unchanged: {advice}"
             )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
@@ -299,7 +360,46 @@ class TieredCache(Cache):
                 f"layer_idx={layer_idx!r} is not in this cache: it was built for {len(self.layers)} layers; "
                 "build the cache from the config of the model that runs it"
             )
+        if not isinstance(self.layers[layer_idx], TieredLayer):  # tiered layers check in begin_update
+            with self._lock:
+                self._claim("this call")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        with self._between_calls("reorder_cache"):
+            super().reorder_cache(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        with self._between_calls("batch_select_indices"):
+            super().batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        with self._between_calls("batch_repeat_interleave"):
+            super().batch_repeat_interleave(repeats)
+
+    def reset(self) -> None:
+        """Empty every layer; an interrupted call of this thread is dropped with the rest."""
+        with self._lock:
+            self._claim("reset()")
+            self._call = None
+            super().reset()
+            self._bytes.clear()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the latest ``-tokens_to_remove`` tokens from every layer (``crop(-n)``: assisted
+        and prompt-lookup decoding roll back rejected draft tokens), all or nothing: every tiered
+        layer is checked before any layer changes, and a crop past a layer's exact hot window
+        raises a :class:`~kvtier.KVTierError` naming how many tokens can go (see
+        :meth:`kvtier.cache.state.LayerState.crop`)."""
+        with self._between_calls("crop"):
+            for layer in self.tiered_layers:
+                layer.check_crop(tokens_to_remove)
+            for layer in self.layers:  # transformers' own layers (hybrid models) first: they may refuse
+                if not isinstance(layer, TieredLayer):
+                    layer.crop(tokens_to_remove)
+            for layer in self.tiered_layers:
+                layer.crop(tokens_to_remove)
+                self._bytes.pop(layer.layer_idx, None)
 
     @property
     def tiered_layers(self) -> list[TieredLayer]:
@@ -322,12 +422,51 @@ class TieredCache(Cache):
 
     def close(self) -> None:
         """Release offloaded blocks: stop the prefetch worker, delete the store files (idempotent).
-        Garbage collection does the same; the cache is empty afterwards."""
-        if self.offloader is not None:
-            self.offloader.close()
-        for layer in self.tiered_layers:
-            if getattr(layer.cold, "is_offloaded", False):
-                layer.reset()
+        Garbage collection does the same; the cache is empty afterwards. Refused while a call of
+        another thread is open; an interrupted call of this thread is undone first."""
+        with self._lock:
+            self._claim("close()")
+            try:
+                if self._call is not None:
+                    self._rollback(self._call)
+            finally:
+                if self.offloader is not None:
+                    self.offloader.close()
+                for layer in self.tiered_layers:
+                    if getattr(layer.cold, "is_offloaded", False):
+                        layer.reset()
+
+    def __copy__(self) -> TieredCache:
+        raise KVTierError(
+            "a TieredCache cannot be shallow-copied (copy.copy): the copy would share its layers with the "
+            "original; use copy.deepcopy"
+        )
+
+    def __deepcopy__(self, memo: dict) -> TieredCache:
+        """A deep copy between calls that shares the config (the model's, which ``kvtier.enable``
+        switches); an offloading cache refuses it (:class:`~kvtier.offload.store.OffloadError`)."""
+        with self._lock:
+            self.check_usable("copy.deepcopy")
+            new = self.__class__.__new__(self.__class__)
+            memo[id(self)] = new
+            memo.setdefault(id(self.config), self.config)
+            for name, value in self.__dict__.items():
+                setattr(new, name, threading.RLock() if name == "_lock" else copy.deepcopy(value, memo))
+        return new
+
+    def __getstate__(self) -> dict:
+        """For ``pickle``, between calls; an offloading cache's offloader and store refuse it
+        (:class:`~kvtier.offload.store.OffloadError`: their records, files and worker are this process's)."""
+        with self._lock:
+            self.check_usable("pickle")
+            state = {name: value for name, value in self.__dict__.items() if name != "_lock"}
+        state["_config_is_live"] = False
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+        self._epoch = forward_epoch()  # mask ids are this process's: the next call needs a new mask
 
     def __enter__(self) -> TieredCache:
         return self

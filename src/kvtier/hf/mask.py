@@ -1,7 +1,7 @@
 """kvtier's mask function, registered with transformers under ``"kvtier"``.
 
 Part of the transformers adapter. May import: transformers, ``kvtier.attention.mask`` (the
-:class:`KVMask` it returns), ``kvtier.cache.state`` (the ``FORWARDS`` counter it advances).
+:class:`KVMask` it returns), ``kvtier.cache.state`` (:func:`mark_forward`, the mask ids).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from transformers.masking_utils import causal_mask_function, prepare_padding_mask
 
 from ..attention.mask import KVMask
-from ..cache.state import FORWARDS
+from ..cache.state import mark_forward
 
 
 def kvtier_mask(
@@ -30,9 +30,10 @@ def kvtier_mask(
 ) -> KVMask:
     """Mask function registered under the name ``"kvtier"`` (signature of ``sdpa_mask``).
 
-    transformers builds it once per forward call, before the layers run; each build advances
-    ``kvtier.cache.state.FORWARDS``, which tells a cache that this call runs kvtier attention."""
-    FORWARDS[0] += 1
+    transformers builds it once per forward call, before the layers run, in the thread of the
+    call; each build takes a new mask id for that thread (``kvtier.cache.state.mark_forward``),
+    which tells a cache that this call runs kvtier attention."""
+    mark_forward()
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
     if padding is not None and bool(padding.all()):
         padding = None

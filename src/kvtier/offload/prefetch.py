@@ -24,15 +24,24 @@ known, would otherwise queue behind every later layer's readahead. A read of sev
 Disk directories: for each directory named by a disk policy, the offloader creates a private
 subdirectory (``kvtier-*``) at construction; missing or read-only directories fail here, naming
 the path. The subdirectories are removed by :meth:`Offloader.close` or when the offloader is
-garbage-collected (``weakref.finalize``), whichever comes first. :meth:`Offloader.close` waits
+garbage-collected (``weakref.finalize``), whichever comes first. A process killed outside Python's
+control (``SIGKILL``, a power cut) removes nothing, so each private subdirectory (named
+``kvtier-<pid>-*`` after its owner's pid, for humans) holds an empty owner lock file
+(``OWNER_LOCK``: no page of a small tmpfs) that the offloader keeps ``flock``-ed for its
+lifetime; the kernel releases the lock of a dead process. Before creating its
+own subdirectory in a directory, an offloader removes the ``kvtier-*`` subdirectories there whose
+lock it can take (:func:`reclaim_orphans`): their owner is gone. A subdirectory without the lock
+file, a symbolic link or anything else is left alone, and a failed reclaim only warns. :meth:`Offloader.close` waits
 for the worker thread to finish, so none is left running after it. An offloader (like its tiers
 and stores) refuses ``copy`` and ``pickle`` with an :class:`~kvtier.offload.store.OffloadError`.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
+import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -43,19 +52,109 @@ from .store import NotCopyable, OffloadError, check_directory, readahead
 if TYPE_CHECKING:
     from .tier import OffloadTier
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no owner locks, so no reclaiming either
+    fcntl = None  # type: ignore[assignment]
+
 #: Disk readahead runs this many offloading layers ahead of the one attending.
 READAHEAD_LAYERS = 3
+#: Prefix of the private subdirectories, and the name of the owner lock file inside each.
+PRIVATE_PREFIX = "kvtier-"
+OWNER_LOCK = "owner.lock"
 
 
-def _shutdown(executors: list[ThreadPoolExecutor], dirs: list[str]) -> None:
-    """Finalizer: stop the worker and delete the private directories (never references the offloader).
-    It may run on any thread (garbage collection), so it does not wait for the worker."""
+def _make_private(base: str) -> tuple[str, int | None]:
+    """Create a private subdirectory of ``base`` holding its owner lock file, locked: ``(path, fd)``
+    (``fd`` None without ``fcntl``). The lock is taken before the file gets its name, so no
+    reclaimer ever sees an unlocked lock file of a live offloader; all or nothing."""
+    private = tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-", dir=base)
+    if fcntl is None:
+        return private, None
+    fd = None
+    try:
+        tmp = os.path.join(private, OWNER_LOCK + ".new")
+        fd = os.open(tmp, os.O_RDONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(tmp, os.path.join(private, OWNER_LOCK))
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        shutil.rmtree(private, ignore_errors=True)
+        raise
+    return private, fd
+
+
+def reclaim_orphans(base: str) -> list[str]:
+    """Remove the private subdirectories in ``base`` left by offloaders whose process is gone.
+
+    A ``kvtier-*`` subdirectory (not a symbolic link) whose ``OWNER_LOCK`` file can be
+    ``flock``-ed without waiting has no live owner (the kernel drops a dead process's lock; a live
+    offloader holds its lock until it removes its subdirectory), so it is removed. Entries without
+    the lock file are left alone, entries that vanish meanwhile (a concurrent reclaimer) are
+    skipped, and nothing is raised: a subdirectory that cannot be removed gives one warning.
+
+    Returns
+    -------
+    The paths removed.
+    """
+    if fcntl is None:
+        return []
+    removed: list[str] = []
+    failed: list[str] = []
+    try:
+        with os.scandir(base) as it:
+            entries = [e for e in it if e.name.startswith(PRIVATE_PREFIX)]
+    except OSError:
+        return removed
+    for entry in entries:
+        lock = os.path.join(entry.path, OWNER_LOCK)
+        try:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))  # never wait on a FIFO
+        except OSError:  # no lock file (not ours), or gone already
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held: its owner is alive
+                continue
+            try:  # still the directory's lock file (not one a concurrent reclaimer removed)?
+                mine, now = os.fstat(fd), os.stat(lock, follow_symlinks=False)
+            except OSError:
+                continue
+            if (mine.st_dev, mine.st_ino) != (now.st_dev, now.st_ino):
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)
+            (failed if os.path.lexists(entry.path) else removed).append(entry.path)
+        finally:
+            os.close(fd)
+    if failed:
+        warnings.warn(
+            f"kvtier could not remove {len(failed)} offload director{'y' if len(failed) == 1 else 'ies'} "
+            f"left by a process that is gone: {', '.join(failed)}",
+            stacklevel=2,
+        )
+    return removed
+
+
+def _shutdown(executors: list[ThreadPoolExecutor], dirs: list[str], locks: list[int]) -> None:
+    """Finalizer: stop the worker and delete the private directories, then release their owner
+    locks (never references the offloader). It may run on any thread (garbage collection), so it
+    does not wait for the worker."""
     for ex in executors:
         ex.shutdown(wait=False, cancel_futures=True)
     executors.clear()
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
     dirs.clear()
+    for fd in locks:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    locks.clear()
 
 
 class Offloader(NotCopyable):
@@ -69,8 +168,9 @@ class Offloader(NotCopyable):
     def __init__(self, policies: list[OffloadPolicy]):
         self._dirs: dict[str, str] = {}
         self._created: list[str] = []
+        self._locks: list[int] = []  # descriptors of the owner lock files, flock-ed until shutdown
         self._executors: list[ThreadPoolExecutor] = []
-        self._finalizer = weakref.finalize(self, _shutdown, self._executors, self._created)
+        self._finalizer = weakref.finalize(self, _shutdown, self._executors, self._created, self._locks)
         self.tiers: list[OffloadTier] = []
         self._streams: dict[Any, Any] = {}
         for p in policies:
@@ -78,17 +178,21 @@ class Offloader(NotCopyable):
                 self.directory(p)
 
     def directory(self, policy: OffloadPolicy) -> str | None:
-        """This cache's private subdirectory for a disk policy (created on first use), or None."""
+        """This cache's private subdirectory for a disk policy (created on first use, after the
+        orphans of dead processes in the same directory are removed: :func:`reclaim_orphans`), or None."""
         if policy.backend != "disk":
             return None
         base = check_directory(policy.path if policy.path is not None else tempfile.gettempdir())
         if base not in self._dirs:
+            reclaim_orphans(base)
             try:
-                private = tempfile.mkdtemp(prefix="kvtier-", dir=base)
+                private, lock = _make_private(base)
             except OSError as err:
                 raise OffloadError(f"offload directory {base!r} is not usable: {err}") from err
             self._dirs[base] = private
             self._created.append(private)
+            if lock is not None:
+                self._locks.append(lock)
         return self._dirs[base]
 
     @property

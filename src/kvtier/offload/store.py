@@ -19,10 +19,12 @@ reserved up front with ``posix_fallocate`` (so a full disk fails with a clear er
 write that needs the space, never later through a ``SIGBUS`` on a mapped page), then mapped
 with ``mmap``. Every disk record carries a crc32 checksum, kept next to the compute and checked
 on every read. Files are removed by :meth:`BlockStore.close` or, at the latest, when the store
-is garbage-collected (``weakref.finalize``). A read of several runs first asks the OS to read all
-of them (:func:`readahead`, ``POSIX_FADV_WILLNEED``), so the device serves them in parallel rather
-than one page fault at a time; :meth:`BlockStore.file_ranges` gives the ranges for reading ahead
-of need (:mod:`kvtier.offload.prefetch`).
+is garbage-collected (``weakref.finalize``); after a crash, with the private directory the
+offloader made for them (:func:`kvtier.offload.prefetch.reclaim_orphans`). A read of several
+runs first asks the OS to read all of them (:func:`readahead`, ``POSIX_FADV_WILLNEED``), so the
+device serves them in parallel rather than one page fault at a time;
+:meth:`BlockStore.file_ranges` gives the ranges for reading ahead of need
+(:mod:`kvtier.offload.prefetch`).
 
 Failures
 --------
@@ -137,8 +139,11 @@ def readahead(ranges: list[tuple[str, int, int]]) -> None:
             os.close(fd)
 
 
-def check_directory(path: str) -> str:
-    """The absolute directory ``path`` if it exists and is writable; else an :class:`OffloadError`."""
+def check_directory(path: str | None) -> str:
+    """The absolute directory ``path`` if it exists and is writable; else an :class:`OffloadError`
+    (an empty path too: it is not taken to mean the current directory)."""
+    if path is None or not str(path).strip():
+        raise OffloadError(f"offload directory {path!r} is not allowed: name a directory")
     path = os.path.abspath(os.path.expanduser(str(path)))
     if not os.path.isdir(path):
         raise OffloadError(f"offload directory {path!r} does not exist (or is not a directory)")
@@ -198,7 +203,7 @@ class BlockStore(NotCopyable):
         self.backend = backend
         self.name = name
         self.pin = bool(pin) and backend == "cpu"
-        self.directory = None if backend == "cpu" else check_directory(directory or "")
+        self.directory = None if backend == "cpu" else check_directory(directory)
         self._slabs: list[torch.Tensor] = []  # cpu backend: uint8 [S, record_bytes]
         self._maps: list[mmap.mmap] = []  # disk backend
         self._paths: list[str] = []

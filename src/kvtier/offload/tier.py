@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from concurrent.futures import Future
 
 import torch
 
-from ..cache.codecs import value_group
+from ..cache.codecs import check_params, value_group
 from ..errors import BudgetWarning
 from ..indexing import union_blocks
 from ..policy import TierPolicy
@@ -89,7 +90,8 @@ class OffloadTier(NotCopyable):
         # (blocks [B,H,k], k, v [B,H,k,T,D] on the device, listed bool [B,H,n], used bool [B,H,n])
         self._staged: tuple | None = None
         self._selection: tuple[torch.Tensor, int] | None = None  # (keep [B,H,R,n'], steps reused)
-        self._addresses: tuple | None = None  # (table, store version, kptr): see record_addresses
+        # (weak reference to the table, store version, kptr): see record_addresses
+        self._addresses: tuple | None = None
         self.stats = OffloadStats()
         #: Diagnostic (benchmarks): measure the exact mass of the blocks each row skipped, reading
         #: every block of the tier at every call (slow). Counted in ``stats.skipped_*``.
@@ -119,6 +121,7 @@ class OffloadTier(NotCopyable):
         kb, vb = k.reshape(B, H, n, T, D), v.reshape(B, H, n, T, D)
         bvalid = valid.reshape(B, 1, n, T).to(self.device)
         new = self.sketch.encode(kb, bvalid)  # valid_bits included
+        check_params(self.sketch.name, (new["k_amax"], new["k_smax"], new["k_mmax"]), (kb,))  # fp16 maxima
         if self.fields:
             new = {name: torch.cat([self.fields[name], t], dim=2) for name, t in new.items()}
         old = self.nblocks
@@ -333,14 +336,15 @@ class OffloadTier(NotCopyable):
     def record_addresses(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``"cpu"`` store: addresses of every block's keys and values, int64 ``[B, H, n]`` (exact
         records: keys ``[T, D]`` then values). The key addresses are cached until the block table
-        or the store changes; the value addresses (a fixed offset) are derived per call."""
+        or the store changes (the cache refers to its table weakly: a replaced table is not kept
+        alive); the value addresses (a fixed offset) are derived per call."""
         cached = self._addresses
-        if cached is not None and cached[0] is self.table and cached[1] == self.store.version:
+        if cached is not None and cached[0]() is self.table and cached[1] == self.store.version:
             kptr = cached[2]
         else:
             assert self.table is not None and self.layout.bits is None
             kptr = self.store.addresses(self.table)
-            self._addresses = (self.table, self.store.version, kptr)
+            self._addresses = (weakref.ref(self.table), self.store.version, kptr)
         vptr = torch.where(kptr != 0, kptr + self.block_tokens * self.head_dim * self.layout.dtype.itemsize, kptr)
         return kptr, vptr
 
