@@ -23,9 +23,6 @@ from kvtier.testing import feed, random_ids
 WAIT_S = 120
 
 
-_ids, _feed = random_ids, feed
-
-
 class _Thread(threading.Thread):
     """Runs ``fn`` and keeps its result or exception."""
 
@@ -83,14 +80,14 @@ def test_second_thread_is_refused_while_a_call_is_open(llama, preset):
     ref, cache = kvtier.TieredCache(llama.config, preset), kvtier.TieredCache(llama.config, preset)
     with kvtier.enable(llama):
         for c in (ref, cache):
-            _feed(llama, c, _ids(400, seed=1))
-        expected = _feed(llama, ref, _ids(64, seed=2))
+            feed(llama, c, random_ids(400, seed=1))
+        expected = feed(llama, ref, random_ids(64, seed=2))
         with _pause(llama, "A") as (reached, go):
-            a = _Thread("A", lambda: _feed(llama, cache, _ids(64, seed=2)))
+            a = _Thread("A", lambda: feed(llama, cache, random_ids(64, seed=2)))
             a.start()
             assert reached.wait(WAIT_S)
             refused = {
-                "call": lambda: _feed(llama, cache, _ids(8, seed=3)),
+                "call": lambda: feed(llama, cache, random_ids(8, seed=3)),
                 "reorder": lambda: cache.reorder_cache(torch.tensor([0])),
                 "select": lambda: cache.batch_select_indices(torch.tensor([0])),
                 "reset": cache.reset,
@@ -106,7 +103,9 @@ def test_second_thread_is_refused_while_a_call_is_open(llama, preset):
         assert a.error is None, a.error
         torch.testing.assert_close(a.result, expected, rtol=0, atol=0)
         assert _lengths(cache) == _lengths(ref) == [464] * 4
-        torch.testing.assert_close(_feed(llama, cache, _ids(8, 4)), _feed(llama, ref, _ids(8, 4)), rtol=0, atol=0)
+        torch.testing.assert_close(
+            feed(llama, cache, random_ids(8, 4)), feed(llama, ref, random_ids(8, 4)), rtol=0, atol=0
+        )
     cache.close()
     ref.close()
 
@@ -117,17 +116,17 @@ def test_separate_caches_in_two_threads_match_single_threaded_runs(llama):
     refs = [kvtier.TieredCache(llama.config, "default") for _ in range(2)]
     x, y = (kvtier.TieredCache(llama.config, "default") for _ in range(2))
     with kvtier.enable(llama):
-        want_x = [_feed(llama, refs[0], _ids(300, seed=5)), _feed(llama, refs[0], _ids(1, seed=6))]
-        want_y = [_feed(llama, refs[1], _ids(200, seed=7)), _feed(llama, refs[1], _ids(3, seed=8))]
+        want_x = [feed(llama, refs[0], random_ids(300, seed=5)), feed(llama, refs[0], random_ids(1, seed=6))]
+        want_y = [feed(llama, refs[1], random_ids(200, seed=7)), feed(llama, refs[1], random_ids(3, seed=8))]
         with _pause(llama, "A") as (reached, go):
-            a = _Thread("A", lambda: _feed(llama, x, _ids(300, seed=5)))
+            a = _Thread("A", lambda: feed(llama, x, random_ids(300, seed=5)))
             a.start()
             assert reached.wait(WAIT_S)
-            got_y = [_feed(llama, y, _ids(200, seed=7)), _feed(llama, y, _ids(3, seed=8))]
+            got_y = [feed(llama, y, random_ids(200, seed=7)), feed(llama, y, random_ids(3, seed=8))]
             go.set()
             a.finish()
         assert a.error is None, a.error
-        b = _Thread("B", lambda: _feed(llama, x, _ids(1, seed=6)))
+        b = _Thread("B", lambda: feed(llama, x, random_ids(1, seed=6)))
         b.start()
         b.finish()
         assert b.error is None, b.error
@@ -143,30 +142,30 @@ def test_a_kvtier_mask_built_in_another_thread_does_not_count(llama):
 
     def other_thread() -> torch.Tensor:
         with kvtier.enable(llama):
-            return _feed(llama, kvtier.TieredCache(llama.config, "default"), _ids(40, seed=9))
+            return feed(llama, kvtier.TieredCache(llama.config, "default"), random_ids(40, seed=9))
 
     b = _Thread("B", other_thread)
     b.start()
     b.finish()
     assert b.error is None, b.error
     with pytest.raises(KVTierError, match="kvtier.enable"):
-        _feed(plain, cache, _ids(40, seed=9))
+        feed(plain, cache, random_ids(40, seed=9))
     assert cache.get_seq_length() == 0
 
 
 def test_one_cache_used_by_one_thread_after_another_keeps_working(llama):
     ref, cache = kvtier.TieredCache(llama.config, "default"), kvtier.TieredCache(llama.config, "default")
-    parts = [_ids(300, seed=10), _ids(5, seed=11), _ids(1, seed=12)]
+    parts = [random_ids(300, seed=10), random_ids(5, seed=11), random_ids(1, seed=12)]
     with kvtier.enable(llama):
-        want = [_feed(llama, ref, p) for p in parts]
+        want = [feed(llama, ref, p) for p in parts]
         got = []
         for name, part in zip("AB", parts):
-            t = _Thread(name, lambda part=part: _feed(llama, cache, part))
+            t = _Thread(name, lambda part=part: feed(llama, cache, part))
             t.start()
             t.finish()
             assert t.error is None, t.error
             got.append(t.result)
-        got.append(_feed(llama, cache, parts[2]))
+        got.append(feed(llama, cache, parts[2]))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
@@ -182,16 +181,18 @@ def test_a_call_left_open_by_an_ended_thread_is_undone_at_the_next_use(llama):
 
     with kvtier.enable(llama):
         for c in (ref, cache):
-            _feed(llama, c, _ids(300, seed=13))
+            feed(llama, c, random_ids(300, seed=13))
         handle = llama.model.layers[2].mlp.register_forward_hook(boom)
         try:
-            a = _Thread("A", lambda: _feed(llama, cache, _ids(16, seed=14)))
+            a = _Thread("A", lambda: feed(llama, cache, random_ids(16, seed=14)))
             a.start()
             a.finish()
         finally:
             handle.remove()
         assert isinstance(a.error, RuntimeError)
         with pytest.raises(KVTierError, match="call again"):
-            _feed(llama, cache, _ids(16, seed=14))
+            feed(llama, cache, random_ids(16, seed=14))
         assert _lengths(cache) == [300] * 4
-        torch.testing.assert_close(_feed(llama, cache, _ids(16, 14)), _feed(llama, ref, _ids(16, 14)), rtol=0, atol=0)
+        torch.testing.assert_close(
+            feed(llama, cache, random_ids(16, 14)), feed(llama, ref, random_ids(16, 14)), rtol=0, atol=0
+        )

@@ -16,8 +16,6 @@ from kvtier.errors import KVTierError
 from kvtier.offload.store import COPY_ERROR
 from kvtier.testing import feed, random_ids
 
-_ids, _feed = random_ids, feed
-
 
 @pytest.fixture(scope="module")
 def llama():
@@ -31,13 +29,13 @@ def test_enable_after_a_bare_set_attn_implementation_switches_back_to_kvtier(lla
     assert before != "kvtier"
     ref = kvtier.TieredCache(llama.config, "default")
     with kvtier.enable(llama):
-        want = _feed(llama, ref, _ids(300, seed=1))
+        want = feed(llama, ref, random_ids(300, seed=1))
     kvtier.enable(llama)
     try:
         llama.set_attn_implementation("sdpa")
         with kvtier.enable(llama):
             assert llama.config._attn_implementation == "kvtier"
-            got = _feed(llama, kvtier.TieredCache(llama.config, "default"), _ids(300, seed=1))
+            got = feed(llama, kvtier.TieredCache(llama.config, "default"), random_ids(300, seed=1))
         assert llama.config._attn_implementation == "kvtier"  # the first enable is still open
     finally:
         kvtier.disable(llama)
@@ -48,11 +46,11 @@ def test_enable_after_a_bare_set_attn_implementation_switches_back_to_kvtier(lla
 def test_deepcopy_made_outside_enable_continues_like_the_original_inside_enable(llama):
     cache = kvtier.TieredCache(llama.config, "default")
     with kvtier.enable(llama):
-        _feed(llama, cache, _ids(1200, seed=2))
+        feed(llama, cache, random_ids(1200, seed=2))
     twin = copy.deepcopy(cache)
     with kvtier.enable(llama):
-        for part in (_ids(64, seed=3), _ids(1, seed=4)):
-            torch.testing.assert_close(_feed(llama, twin, part), _feed(llama, cache, part), rtol=0, atol=0)
+        for part in (random_ids(64, seed=3), random_ids(1, seed=4)):
+            torch.testing.assert_close(feed(llama, twin, part), feed(llama, cache, part), rtol=0, atol=0)
     assert twin.get_seq_length() == cache.get_seq_length() == 1265
     assert twin.config is cache.config  # the model's config, which enable switches
 
@@ -62,21 +60,21 @@ def test_pickle_round_trip_continues_like_the_original(llama):
     the loaded cache still refuses a model that does not run kvtier attention."""
     cache = kvtier.TieredCache(llama.config, "default")
     with kvtier.enable(llama):
-        _feed(llama, cache, _ids(1200, seed=5))
+        feed(llama, cache, random_ids(1200, seed=5))
     loaded = pickle.loads(pickle.dumps(cache))
     assert all(layer.owner is loaded for layer in loaded.tiered_layers)
     with pytest.raises(KVTierError, match="kvtier.enable"):
-        _feed(llama, loaded, _ids(4, seed=6))
+        feed(llama, loaded, random_ids(4, seed=6))
     with kvtier.enable(llama):
-        for part in (_ids(64, seed=6), _ids(1, seed=7)):
-            torch.testing.assert_close(_feed(llama, loaded, part), _feed(llama, cache, part), rtol=0, atol=0)
+        for part in (random_ids(64, seed=6), random_ids(1, seed=7)):
+            torch.testing.assert_close(feed(llama, loaded, part), feed(llama, cache, part), rtol=0, atol=0)
     assert loaded.get_seq_length() == cache.get_seq_length() == 1265
 
 
 def test_pickling_an_offloading_cache_is_refused_in_one_line(llama):
     cache = kvtier.TieredCache(llama.config, "offload-cpu")
     with kvtier.enable(llama):
-        _feed(llama, cache, _ids(300, seed=8))
+        feed(llama, cache, random_ids(300, seed=8))
     with pytest.raises(KVTierError) as info:
         pickle.dumps(cache)
     assert str(info.value) == COPY_ERROR and "\n" not in COPY_ERROR

@@ -18,16 +18,12 @@ import kvtier
 from kvtier import PRESETS, TieredCache, TierPolicy
 from kvtier.attention import plan as plan_mod
 from kvtier.policy import OffloadPolicy, SparsePolicy
-from kvtier.testing import tiny_qwen2
+from kvtier.testing import random_ids, tiny_qwen2
 
 
 @pytest.fixture(scope="module")
 def qwen():
     return tiny_qwen2()
-
-
-def _ids(B: int, T: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 97, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
 def _feed(model, cache, ids, mask, chunks) -> torch.Tensor:
@@ -49,7 +45,7 @@ def test_the_tiny_model_has_the_real_models_attention_shape(qwen):
 
 
 def test_exact_is_token_identical_to_dynamic_cache_batch_2_left_padded(qwen):
-    ids = _ids(2, 90)
+    ids = random_ids(90, batch=2)
     mask = torch.ones_like(ids)
     ids[1, :23], mask[1, :23] = 0, 0
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
@@ -89,7 +85,7 @@ def test_forced_backends_match_the_reference_at_head_dim_128(qwen, backend, name
         plan_mod.check_force(backend, torch.device("cpu"))
     except ValueError as err:
         pytest.skip(str(err))
-    ids = _ids(2, 84, seed=1)
+    ids = random_ids(84, seed=1, batch=2)
     mask = torch.ones_like(ids)
     mask[1, :13] = 0
     chunks = [45, 17, 3, 15, 1, 1, 1, 1]
@@ -111,7 +107,7 @@ def test_every_preset_runs_past_its_windows(qwen, preset):
     """1,300 tokens (past every preset's sinks, hot and warm windows, into cold / offload / eviction)
     then decode steps: finite logits, the right length, and (resident) bytes below fp16 where the preset
     compresses."""
-    ids = _ids(1, 1300, seed=2)
+    ids = random_ids(1300, seed=2, batch=1)
     mask = torch.ones_like(ids)
     with kvtier.enable(qwen):
         with TieredCache(qwen.config, preset) as cache:
@@ -128,7 +124,7 @@ def test_every_preset_runs_past_its_windows(qwen, preset):
 
 def test_adaptive_budget_allocates_and_holds_at_head_dim_128(qwen):
     """The adaptive budget's warm-up measures, allocates per layer, and holds its bits at fit_tokens."""
-    ids = _ids(1, 2100, seed=3)
+    ids = random_ids(2100, seed=3, batch=1)
     mask = torch.ones_like(ids)
     policy = kvtier.get_policy("adaptive")
     policy = policy.replace(

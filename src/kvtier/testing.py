@@ -11,11 +11,23 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+#: Vocabulary and special tokens of every tiny model (token ids 3..96 are plain text).
+_TOKENS: dict[str, object] = dict(vocab_size=97, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _decisive(model):  # noqa: ANN001, ANN202
+    """Scale ``lm_head`` so greedy decoding is decisive (random init gives near-uniform logits);
+    pad id 0 for ``generate``."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.generation_config.pad_token_id = 0
+    return model
+
 
 def tiny_llama_config(**overrides: object) -> LlamaConfig:
     """4 layers, hidden 64, 4 query / 2 KV heads of dim 16, vocabulary 97; ``overrides`` replace fields."""
     cfg: dict[str, object] = dict(
-        vocab_size=97,
+        _TOKENS,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=4,
@@ -23,9 +35,6 @@ def tiny_llama_config(**overrides: object) -> LlamaConfig:
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=4096,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
     )
     cfg.update(overrides)
     return LlamaConfig(**cfg)
@@ -35,18 +44,14 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: o
     """A random :func:`tiny_llama_config` model in eval mode, seeded; its ``lm_head`` is scaled so
     greedy decoding is decisive (random init gives near-uniform logits)."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_llama_config(**overrides)).to(dtype).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    model.generation_config.pad_token_id = 0
-    return model
+    return _decisive(LlamaForCausalLM(tiny_llama_config(**overrides)).to(dtype).eval())
 
 
 def tiny_qwen2_config(**overrides: object) -> Qwen2Config:
     """Qwen2.5-Coder-1.5B's attention shape on a tiny body: 2 layers, hidden 96, 12 query / 2 KV
     heads of dim 128 (6:1 GQA), q/k/v biases (Qwen2's), rope theta 1e6, vocabulary 97."""
     cfg: dict[str, object] = dict(
-        vocab_size=97,
+        _TOKENS,
         hidden_size=96,
         intermediate_size=192,
         num_hidden_layers=2,
@@ -55,9 +60,6 @@ def tiny_qwen2_config(**overrides: object) -> Qwen2Config:
         head_dim=128,
         max_position_embeddings=32768,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
     )
     cfg.update(overrides)
     return Qwen2Config(**cfg)
@@ -72,9 +74,7 @@ def tiny_qwen2(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: o
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0.0, 0.5)
-        model.lm_head.weight.mul_(8.0)
-    model.generation_config.pad_token_id = 0
-    return model
+    return _decisive(model)
 
 
 def random_ids(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
