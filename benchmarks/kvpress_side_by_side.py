@@ -10,11 +10,14 @@ compressed cache (position ids continue at ``context``). Scored: the NLL of ever
 is exact everywhere). Per book: ppl over all its windows' continuation tokens, and Δppl against
 the full (uncompressed) cache of the same side on the same windows. Bytes: what the cache holds
 right after the context, against fp16 bytes (2 bytes x K,V x layers x KV heads x head dim x
-context tokens). The model runs in fp32 on the CPU: a transformers cache then holds fp32 tensors
-(a DynamicCache is 2.0 of fp16; quanto's scales and shifts are fp32), so ``fp16_equiv`` also counts
-every floating tensor at 2 bytes per element (what the same cache holds with an fp16 / bf16 model);
-kvtier stores its exact tokens in fp16 whatever the model dtype (its ``dynamic`` baseline is the
-exception).
+context tokens). The model runs in fp32 by default (``--dtype bfloat16``: as users run it, fast on
+CPUs with AVX-512 BF16 / AMX): with fp32 a transformers cache holds fp32 tensors (a DynamicCache is
+2.0 of fp16; quanto's scales and shifts are fp32), so ``fp16_equiv`` also counts every floating
+tensor at 2 bytes per element (what the same cache holds with an fp16 / bf16 model); kvtier stores
+its exact tokens in fp16 whatever the model dtype (its ``dynamic`` baseline is the exception).
+``--model-dir`` names the model (SmolLM2 by default; ``~/.cache/kvtier/models/qwen2.5-coder-1.5b-instruct``
+after ``kvtier models install qwen2.5-coder-1.5b`` and a first load); ``--books`` takes book names
+in ``--data`` or paths to any text (source code too).
 
 Three steps, two virtual environments (kvpress pins transformers < 5.3; kvtier needs newer):
 
@@ -69,7 +72,9 @@ def make_ids(model_dir: str, data: str, books: list[str], windows: int, context:
     length, offset = context + continuation, 2000
     out = {"context": context, "continuation": continuation, "books": {}}
     for book in books:
-        text = Path(data, f"{book}.txt").read_text()
+        path = Path(book) if book.endswith(".txt") else Path(data, f"{book}.txt")
+        text = path.read_text()
+        book = path.stem
         ids = tok(text, add_special_tokens=False).input_ids
         room = len(ids) - offset - length
         if room < 0:
@@ -209,7 +214,8 @@ def run_side(args) -> None:
         torch.save(data, ids_path)
         print(f"wrote {ids_path}", flush=True)
     context = data["context"]
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).eval()
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     fp16 = 2 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * context
@@ -223,6 +229,8 @@ def run_side(args) -> None:
         "fp16_bytes": fp16,
         "ids_file": str(ids_path),
         "threads": args.threads,
+        "dtype": args.dtype,
+        "model_dir": args.model_dir,
         "prefill_chunk": args.prefill_chunk or context,
         "caches": {},
     }
@@ -314,13 +322,19 @@ def main() -> None:
     ap.add_argument("--table", nargs="+", metavar="JSON", help="merge result files into a markdown table")
     ap.add_argument("--ids-file", default="benchmarks/results/kvpress-side-by-side-ids.pt")
     ap.add_argument("--caches", default=None)
-    ap.add_argument("--books", nargs="+", default=["dracula", "huckleberry_finn"])
+    ap.add_argument(
+        "--books",
+        nargs="+",
+        default=["dracula", "huckleberry_finn"],
+        help="names of books in --data, or paths to .txt files (e.g. ../shared/data/code/python_stdlib_a.txt)",
+    )
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--continuation", type=int, default=256)
     ap.add_argument("--data", default="../shared/data/pg")
     ap.add_argument("--model-dir", default=DEFAULT_MODEL_DIR)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the model's weights")
     ap.add_argument(
         "--prefill-chunk",
         type=int,

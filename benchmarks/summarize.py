@@ -9,7 +9,9 @@
 One table per context length: perplexity per book, mean Δperplexity vs the full cache, KL and
 top-1 agreement with the full cache, recall accuracy (cases of 90-100% of that context: the 8k
 table takes the 7,600-token recall cases, the longest that fit the model's 8,192 positions with
-the prompt), KV bytes vs fp16 and vs the full cache, decode tokens/s vs the full cache. Then recall
+the prompt; split by needle, prose number / code definition, where a run planted both), KV bytes
+vs fp16, resident bytes vs fp16 (an offloading cache's bytes in this process) and KV bytes vs the
+full cache, decode tokens/s vs the full cache. Then recall
 by depth with mean answer margins, and the decode table of the bench runs (the tables of
 BENCHMARKS.md). Prints markdown, then the commands of the runs.
 """
@@ -21,6 +23,22 @@ from collections import defaultdict
 
 from kvtier.eval.report import merge_docs
 from kvtier.eval.results import load
+
+
+def _recall_cell(rows: list[dict]) -> str:
+    """``correct/cases``, split by needle where a run planted more than one kind (prose number / code)."""
+    if not rows:
+        return ""
+    ok, total = sum(r["correct"] for r in rows), sum(r["total"] for r in rows)
+    kinds: dict[str, list[int]] = {}
+    for r in rows:
+        for kind, (c, t) in r.get("correct_by_needle", {}).items():
+            kinds.setdefault(kind, [0, 0])
+            kinds[kind][0] += c
+            kinds[kind][1] += t
+    if len(kinds) < 2:
+        return f"{ok}/{total}"
+    return f"{ok}/{total} (" + ", ".join(f"{k} {c}/{t}" for k, (c, t) in sorted(kinds.items())) + ")"
 
 
 def main(paths: list[str]) -> None:
@@ -51,6 +69,7 @@ def main(paths: list[str]) -> None:
             "top-1",
             "recall",
             "KV vs fp16",
+            "resident vs fp16",
             "KV vs full",
             "decode tok/s vs full",
         ]
@@ -72,8 +91,9 @@ def main(paths: list[str]) -> None:
                 f"{mean([r['dppl_pct'] for r in prow.values()]):+.2f}",
                 f"{mean([r['kl'] for r in frow]):.4f}" if frow else "",
                 f"{mean([r['top1'] for r in frow]):.3f}" if frow else "",
-                f"{sum(r['correct'] for r in recall)}/{sum(r['total'] for r in recall)}" if recall else "",
+                _recall_cell(recall),
                 f"{mean([r['kv_bytes'] / r['dense_fp16_bytes'] for r in prow.values()]):.3f}",
+                f"{mean([r.get('resident_bytes', r['kv_bytes']) / r['dense_fp16_bytes'] for r in prow.values()]):.3f}",
                 f"{mean([r['kv_bytes'] for r in prow.values()]) / kv_full:.3f}",
                 f"{brow[0]['decode_tok_s_ratio']:.2f}" if brow else "",
             ]

@@ -277,9 +277,11 @@ def test_automatic_plan_on_cpu():
     layer, valid = build_layer(POLICIES["int4+sign"], 2, 2, 16, [50, 9], [0, 9])
     decode = plan_mod.plan_for(layer, torch.randn(2, 6, 1, 16))
     assert decode.chunks[0].fused and decode.chunks[0].rows == 3
-    prefill = plan_mod.plan_for(layer, torch.randn(2, 6, 9, 16))
+    prefill = plan_mod.plan_for(layer, torch.randn(2, 6, 11, 16))
     assert not prefill.chunks[0].fused and prefill.chunks[0].packed.name == "torch"
-    assert prefill.chunks[0].rows == 27 > plan_mod.KERNEL_MAX_ROWS
+    assert prefill.chunks[0].rows == 33 > plan_mod.CPU_KERNEL_MAX_ROWS
+    chunk4 = plan_mod.plan_for(layer, torch.randn(2, 6, 8, 16))  # 4 query tokens of a 6:1 GQA model
+    assert chunk4.chunks[0].fused and chunk4.chunks[0].rows == 24 > plan_mod.KERNEL_MAX_ROWS
     per_tier, _ = build_layer(POLICIES["int4+sign"], 2, 2, 16, [50, 9], [0, 9], attention="per-tier")
     assert not plan_mod.plan_for(per_tier, torch.randn(2, 6, 1, 16)).chunks[0].fused
 

@@ -157,3 +157,22 @@ def test_demo_smoke(demo_output):
     full, tiered = data["rows"]
     assert tiered["kv_bytes"] < full["kv_bytes"] and tiered["ppl"] > 0 and full["decode_tok_s"] > 0
     assert any("less KV memory" in line for line in out)
+
+
+@pytest.mark.model
+@needs_model
+def test_bench_prefills_in_chunks_and_keeps_partial_rows(tmp_path, capsys):
+    """``kvtier bench --prefill-chunk N``: the prompt goes in calls of N tokens (a one-call 16k prefill
+    of a 1.5B model took over 24 GB); the rows of each finished context are saved as they come."""
+    path = tmp_path / "bench.json"
+    argv = ["bench", "--contexts", "150,200", "--new-tokens", "2", "--rounds", "1", "--caches", "default"]
+    assert main([*argv, "--prefill-chunk", "64", "--books", "1", "--threads", "2", "--out", str(path)]) == 0
+    doc = load(path)
+    assert doc["config"]["prefill_chunk"] == 64
+    assert {(r["cache"], r["context"]) for r in doc["rows"]} == {
+        (c, n) for c in ("dynamic", "default") for n in (150, 200)
+    }
+    assert not path.with_suffix(".partial.json").exists()
+    with pytest.raises(SystemExit):
+        main([*argv, "--prefill-chunk", "-1"])
+    assert "expected an integer >= 0" in capsys.readouterr().err

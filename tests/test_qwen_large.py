@@ -1,6 +1,6 @@
 """The real model, Qwen2.5-Coder-1.5B-Instruct (``kvtier models install qwen2.5-coder-1.5b``), in
-fp32: ``exact`` token-identical to ``DynamicCache`` (greedy 64 tokens, batch 1 and batch 2
-left-padded), and the lossy presets close to the full cache on Python source (streamed NLL over
+fp32 and bf16: ``exact`` token-identical to ``DynamicCache`` (greedy 64 tokens, batch 1 and batch 2
+left-padded; both dtypes), and the lossy presets close to the full cache on Python source (streamed NLL over
 1,536 tokens in 64-token chunks). Marked ``large``: skipped unless ``--large``
 (``bash scripts/test.sh --large``); ~2 min to load, ~9 GB of RAM.
 """
@@ -27,6 +27,16 @@ def qwen():
     return load_model(QWEN_CODER, dtype=torch.float32)
 
 
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def qwen_any(request, qwen):
+    """The model in fp32 (the module's) and in bf16 (a cast copy, loaded once)."""
+    if request.param == torch.float32:
+        return qwen
+    model, tok = load_model(QWEN_CODER, dtype=torch.bfloat16)
+    yield model, tok
+    del model
+
+
 def _code_ids(tok, n: int) -> torch.Tensor:
     """``n`` tokens of Python source: the standard library's argparse.py (on every machine)."""
     ids = tok(Path(argparse.__file__).read_text(), return_tensors="pt").input_ids
@@ -34,8 +44,8 @@ def _code_ids(tok, n: int) -> torch.Tensor:
     return ids[:, :n]
 
 
-def test_exact_is_token_identical_on_the_real_model(qwen):
-    model, tok = qwen
+def test_exact_is_token_identical_on_the_real_model(qwen_any):
+    model, tok = qwen_any
     ids = _code_ids(tok, 300)
     kw = dict(max_new_tokens=64, do_sample=False)
     ref = model.generate(ids, cache=DynamicCache(config=model.config), **kw)
@@ -44,8 +54,8 @@ def test_exact_is_token_identical_on_the_real_model(qwen):
     assert torch.equal(out, ref)
 
 
-def test_exact_is_token_identical_batch_2_left_padded_on_the_real_model(qwen):
-    model, tok = qwen
+def test_exact_is_token_identical_batch_2_left_padded_on_the_real_model(qwen_any):
+    model, tok = qwen_any
     ids = _code_ids(tok, 200).repeat(2, 1)
     mask = torch.ones_like(ids)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .eval.recall import NEEDLES
 from .policy import PRESETS
 
 
@@ -30,6 +31,19 @@ def _dtype(name: str) -> torch.dtype:
     return table[name]
 
 
+def _model_dtype(name: str) -> torch.dtype:
+    """``--dtype`` of a model that runs here: fp32, bf16 or ``auto`` (bf16 where the CPU has native
+    bf16 matmuls, else fp32; fp16 matmuls on a CPU are slow or missing)."""
+    from .models import fast_dtype
+
+    if name == "auto":
+        return fast_dtype()
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if name not in table:
+        raise argparse.ArgumentTypeError(f"--dtype {name!r}: expected one of {sorted(['auto', *table])}")
+    return table[name]
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -37,6 +51,16 @@ def _positive(text: str) -> int:
         value = 0
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _nonnegative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return value
 
 
@@ -167,11 +191,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _at_least("--ppl-tokens", [args.ppl_tokens], MIN_WINDOW_TOKENS, "a perplexity window (its last half is scored)")
     name, text = next(iter(load_texts(args.text, limit=1).items()))
     torch.set_num_threads(args.threads)
-    print(f"loading {args.model} (offline) ...", flush=True)
-    model, tok = load_model(args.model)
-    case = build_case(tok, text, args.tokens, args.depth, seed=args.seed)
+    print(f"loading {args.model} (offline, {str(args.dtype).removeprefix('torch.')}) ...", flush=True)
+    model, tok = load_model(args.model, dtype=args.dtype)
+    case = build_case(tok, text, args.tokens, args.depth, seed=args.seed, needle="auto")
     n = case.input_ids.shape[1]
-    print(f"recall prompt: {n} tokens from {name!r}, a secret number planted at {case.depth:.0%} depth", flush=True)
+    fact = "secret number" if case.needle == "number" else "definition"
+    print(f"recall prompt: {n} tokens from {name!r}, a {fact} planted at {case.depth:.0%} depth", flush=True)
     specs = [cache_spec("dynamic"), cache_spec(args.policy)]
     rows = []
     from .kernels import cpu, fused_cpu, sketch_cpu
@@ -270,7 +295,7 @@ def _setup(args: argparse.Namespace):
     else:
         texts = load_texts(args.text, limit=args.books)
     torch.set_num_threads(args.threads)
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, dtype=args.dtype)
     specs = usable_specs(model, args.caches, log=lambda m: print(m, file=sys.stderr))
     return model, tok, texts, _forced(specs, args.attention, model)
 
@@ -326,7 +351,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         _at_least("--contexts", args.contexts, MIN_WINDOW_TOKENS, "a streamed window (its last half is scored)")
     model, tok, texts, specs = _setup(args)
     config = {"model": args.model, "caches": [s.name for s in specs], "texts": list(texts), "contexts": args.contexts}
-    config["attention"] = args.attention
+    config.update(attention=args.attention, dtype=str(args.dtype).removeprefix("torch."), threads=args.threads)
     if args.task in ("ppl", "fidelity"):
         config.update(chunk=args.chunk, score_chunk=args.score_chunk, windows=args.windows)
 
@@ -353,7 +378,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             else ["cache", "text", "context", "kl", "top1"]
         )
     else:
-        config.update(depths=args.depths, samples=args.samples, prefill_chunk=args.prefill_chunk)
+        config.update(depths=args.depths, samples=args.samples, prefill_chunk=args.prefill_chunk, needle=args.needle)
         rows = run_recall(
             model,
             tok,
@@ -364,6 +389,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             args.samples,
             args.prefill_chunk,
             checkpoint=lambda part: _save_partial(args.task, part, config, args.out),
+            needle=args.needle,
         )
         keys = ["cache", "context", "depth", "correct", "total", "margin_mean"]
     _print_rows(rows, keys)
@@ -379,19 +405,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     model, tok, texts, specs = _setup(args)
     text = next(iter(texts.values()))
-    rows = run_bench(model, tok, text, args.contexts, specs, args.new_tokens, args.rounds)
-    _print_rows(
-        rows,
-        ["cache", "context", "prefill_s", "decode_tok_s", "decode_tok_s_ratio", "kv_ratio_fp16", "peak_rss_mb"],
-    )
     config = {
         "model": args.model,
         "caches": [s.name for s in specs],
         "contexts": args.contexts,
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,
+        "prefill_chunk": args.prefill_chunk,
         "attention": args.attention,
+        "dtype": str(args.dtype).removeprefix("torch."),
+        "threads": args.threads,
     }
+    rows = run_bench(
+        model,
+        tok,
+        text,
+        args.contexts,
+        specs,
+        args.new_tokens,
+        args.rounds,
+        args.prefill_chunk,
+        checkpoint=lambda part: _save_partial("bench", part, config, args.out),
+    )
+    _print_rows(
+        rows,
+        ["cache", "context", "prefill_s", "decode_tok_s", "decode_tok_s_ratio", "kv_ratio_fp16", "peak_rss_mb"],
+    )
     _finish("bench", rows, config, args)
     summary = {r["cache"] + f"@{r['context']}": round(r["decode_tok_s_ratio"], 3) for r in rows}
     print(json.dumps({"kind": "bench", "threads": args.threads, "decode_tok_s_ratio": summary, "rows": rows}))
@@ -426,8 +465,19 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _common(p: argparse.ArgumentParser, contexts: str) -> None:
+def _model_args(p: argparse.ArgumentParser, dtype: str = "float32") -> None:
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument(
+        "--dtype",
+        type=_model_dtype,
+        default=_model_dtype(dtype),
+        help=f"model weights and activations: float32, bfloat16 or auto (bf16 where the CPU has AVX-512 BF16, "
+        f"else fp32); default {dtype}",
+    )
+
+
+def _common(p: argparse.ArgumentParser, contexts: str) -> None:
+    _model_args(p)
     p.add_argument("--caches", type=_caches, default=_caches("all"), help="comma-separated names or 'all'")
     p.add_argument("--contexts", type=_ints, default=_ints(contexts), help="e.g. 2k,4k,8k")
     p.add_argument(
@@ -466,8 +516,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     p.set_defaults(fn=cmd_plan)
 
-    d = sub.add_parser("demo", help="SmolLM2 offline: full cache vs a preset on a long recall prompt")
-    d.add_argument("--model", default="smollm2-135m")
+    d = sub.add_parser(
+        "demo",
+        help="a built-in model offline (scripts/demo.sh: Qwen2.5-Coder-1.5B): full cache vs a preset on a long "
+        "recall prompt",
+    )
+    _model_args(d, dtype="auto")
     d.add_argument("--policy", default="default", choices=list(PRESETS))
     d.add_argument("--tokens", type=_positive, default=3000, help="context length of the prompt")
     d.add_argument("--depth", type=_fraction, default=0.1, help="where the fact is planted (0..1)")
@@ -483,7 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     for task, helptext in (
         ("ppl", "streamed perplexity (chunks <= 64, NLL over the last half)"),
         ("fidelity", "KL(full || cache) and top-1 agreement per token"),
-        ("recall", "secret number planted at depths 0-100%, asked at the end"),
+        ("recall", "a fact (a number in prose, a definition in code) planted at depths 0-100%, asked at the end"),
     ):
         t = esub.add_parser(task, help=helptext)
         _common(t, "1k,2k,4k" if task == "recall" else "2k,4k,8k")
@@ -491,6 +545,12 @@ def build_parser() -> argparse.ArgumentParser:
             t.add_argument("--depths", type=_floats, default=_floats("0,0.25,0.5,0.75,1"))
             t.add_argument("--samples", type=_positive, default=1, help="cases per (context, depth) cell")
             t.add_argument("--prefill-chunk", type=_positive, default=512)
+            t.add_argument(
+                "--needle",
+                default="auto",
+                choices=["auto", *NEEDLES],
+                help="number: a sentence in prose; code: a constant or function in source; auto: by the text",
+            )
         else:
             t.add_argument("--chunk", type=_positive, default=64, help="chunk of the unscored context")
             t.add_argument(
@@ -508,6 +568,13 @@ def build_parser() -> argparse.ArgumentParser:
     _common(b, "2k,4k,8k")
     b.add_argument("--new-tokens", type=_positive, default=32)
     b.add_argument("--rounds", type=_positive, default=2)
+    b.add_argument(
+        "--prefill-chunk",
+        type=_nonnegative,
+        default=0,
+        help="prefill the prompt in calls of this many tokens (0: one call; long prompts need chunks: a one-call "
+        "16k prefill of a 1.5B model took over 24 GB)",
+    )
     b.set_defaults(fn=cmd_bench)
 
     r = sub.add_parser("report", help="results JSON files -> markdown report with plots")

@@ -36,6 +36,9 @@ class StreamScore:
     top1_agree: int = 0
     tokens: int = 0
     kv_bytes: int = 0
+    #: bytes in this process's memory (an offloading cache's ``memory_report().resident_bytes``;
+    #: ``kv_bytes`` for the others)
+    resident_bytes: int = 0
 
     @property
     def ppl(self) -> float:
@@ -131,6 +134,8 @@ def stream_compare(
                 sc.top1_agree += int((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
     for spec, cache in zip(specs, caches):
         scores[spec.name].kv_bytes = kv_bytes(cache)
+        report = cache.memory_report() if hasattr(cache, "memory_report") else None
+        scores[spec.name].resident_bytes = report.resident_bytes if report is not None else kv_bytes(cache)
     return scores
 
 

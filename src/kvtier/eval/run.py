@@ -76,12 +76,15 @@ def run_stream(
                 if getattr(getattr(cache, "policy", None), "sparse", None) is not None:
                     sparse.setdefault(cache_name, SparseStats()).add(cache.sparse_stats())
             for cache, sc in scores.items():
-                t = totals.setdefault(cache, {"nll": 0.0, "kl": 0.0, "top1": 0, "tokens": 0, "kv_bytes": 0})
+                t = totals.setdefault(
+                    cache, {"nll": 0.0, "kl": 0.0, "top1": 0, "tokens": 0, "kv_bytes": 0, "resident_bytes": 0}
+                )
                 t["nll"] += sc.nll
                 t["kl"] += sc.kl
                 t["top1"] += sc.top1_agree
                 t["tokens"] += sc.tokens
                 t["kv_bytes"] = max(t["kv_bytes"], sc.kv_bytes)
+                t["resident_bytes"] = max(t["resident_bytes"], sc.resident_bytes)
         base = totals["dynamic"]
         base_ppl = float(torch.tensor(base["nll"] / base["tokens"]).exp())
         fp16 = dense_fp16_bytes(model, ctx - 1)
@@ -100,6 +103,8 @@ def run_stream(
                     "dense_fp16_bytes": fp16,
                     "bytes_per_token": t["kv_bytes"] / (ctx - 1),
                     "kv_ratio_fp16": t["kv_bytes"] / fp16,
+                    "resident_bytes": t["resident_bytes"],
+                    "resident_ratio_fp16": t["resident_bytes"] / fp16,
                     **({"sparse": sparse[cache].to_dict()} if cache in sparse else {}),
                 }
             )
@@ -128,16 +133,19 @@ def run_recall(
     samples: int = 1,
     prefill_chunk: int = 512,
     checkpoint: Callable[[list[dict]], None] | None = None,
+    needle: str = "auto",
 ) -> list[dict]:
     """Accuracy per (cache, context, depth) cell; every cache answers the same prompts.
-    Rows carry the mean answer margin and the cases (key, answer, margin; see
-    :mod:`kvtier.eval.recall`). ``checkpoint(rows)`` gets the cells so far after every case."""
+    Sample ``s`` of a cell is built from text ``s % len(texts)``, with ``needle`` (``auto``: a code
+    needle in source code, a number in prose; see :mod:`kvtier.eval.recall`).
+    Rows carry the mean answer margin, the count per needle and the cases (text, needle, key,
+    answer, margin). ``checkpoint(rows)`` gets the cells so far after every case."""
     text_list = list(texts.items())
     cells = [(ctx, d, s) for ctx in contexts for d in depths for s in range(samples)]
     cases: dict[tuple[str, int, float], list[dict]] = {}
     for ctx, depth, s in progress(cells, desc="recall cases"):
         name, text = text_list[s % len(text_list)]
-        case = build_case(tok, text, ctx, depth, seed=1000 * s + ctx + int(100 * depth))
+        case = build_case(tok, text, ctx, depth, seed=1000 * s + ctx + int(100 * depth), needle=needle)
         for spec in specs:
             r = run_case(model, tok, case, spec, prefill_chunk=prefill_chunk)
             cases.setdefault((spec.name, ctx, depth), []).append({"text": name, "sample": s, **r})
@@ -150,6 +158,11 @@ def _recall_rows(cases: dict[tuple[str, int, float], list[dict]]) -> list[dict]:
     rows = []
     for (cache, ctx, depth), done in cases.items():
         ok = sum(int(c["correct"]) for c in done)
+        by_needle: dict[str, list[int]] = {}
+        for c in done:
+            tally = by_needle.setdefault(c.get("needle", "number"), [0, 0])
+            tally[0] += int(c["correct"])
+            tally[1] += 1
         rows.append(
             {
                 "cache": cache,
@@ -159,6 +172,7 @@ def _recall_rows(cases: dict[tuple[str, int, float], list[dict]]) -> list[dict]:
                 "total": len(done),
                 "accuracy": ok / len(done),
                 "margin_mean": sum(c["margin"] for c in done) / len(done),
+                "correct_by_needle": by_needle,
                 "cases": done,
             }
         )
@@ -214,7 +228,7 @@ class PeakRSS:
 class _Bench:
     """One cache under benchmark: prefilled once, then decoded in timed bursts."""
 
-    def __init__(self, model, ids: torch.Tensor, spec: CacheSpec):
+    def __init__(self, model, ids: torch.Tensor, spec: CacheSpec, prefill_chunk: int = 0):
         self.model, self.spec = model, spec
         self.cache = spec.build(model)
         self.cuda = torch.cuda.is_available() and ids.is_cuda
@@ -223,7 +237,9 @@ class _Bench:
             torch.cuda.reset_peak_memory_stats()
         with spec.context(model), PeakRSS() as mem, torch.no_grad():
             t0 = time.perf_counter()
-            out = model(ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+            step = prefill_chunk or ids.shape[1]
+            for s in range(0, ids.shape[1], step):
+                out = model(ids[:, s : s + step], cache=self.cache, use_cache=True, logits_to_keep=1)
             self.next = out.logits[:, -1:].argmax(-1)
             self._sync()
             self.prefill_s = time.perf_counter() - t0
@@ -279,15 +295,24 @@ class _Bench:
 
 
 def run_bench(
-    model, tok, text: str, contexts: list[int], specs: list[CacheSpec], new_tokens: int = 32, rounds: int = 2
+    model,
+    tok,
+    text: str,
+    contexts: list[int],
+    specs: list[CacheSpec],
+    new_tokens: int = 32,
+    rounds: int = 2,
+    prefill_chunk: int = 0,
+    checkpoint: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
-    """Per context: every cache prefilled once (timed; peak RSS over its prefill), then decode
-    bursts of ``new_tokens`` interleaved round-robin over ``rounds``; median ms per token; ratios
-    to ``dynamic``."""
+    """Per context: every cache prefilled once (timed; peak RSS over its prefill; in calls of
+    ``prefill_chunk`` tokens, 0: one call), then decode bursts of ``new_tokens`` interleaved
+    round-robin over ``rounds``; median ms per token; ratios to ``dynamic``. ``checkpoint(rows)``
+    gets the rows so far after each context."""
     rows = []
     for ctx in contexts:
         ids = book_windows(tok, text, ctx)[0].to(model.device)
-        benches = [_Bench(model, ids, spec) for spec in progress(specs, desc=f"prefill {ctx}")]
+        benches = [_Bench(model, ids, spec, prefill_chunk) for spec in progress(specs, desc=f"prefill {ctx}")]
         for _ in progress(range(rounds), desc=f"decode {ctx}"):
             for b in benches:
                 b.decode(new_tokens)
@@ -306,4 +331,6 @@ def run_bench(
             m["dense_fp16_bytes"] = dense_fp16_bytes(model, ctx + new_tokens)
             m["kv_ratio_fp16"] = m["kv_bytes"] / m["dense_fp16_bytes"]
             rows.append(m)
+        if checkpoint is not None:
+            checkpoint(rows)
     return rows
