@@ -29,12 +29,11 @@ def qwen():
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def qwen_any(request, qwen):
-    """The model in fp32 (the module's) and in bf16 (a cast copy, loaded once)."""
+    """The model in fp32 (the module's own) and in bf16 (loaded once more, in bf16)."""
     if request.param == torch.float32:
-        return qwen
-    model, tok = load_model(QWEN_CODER, dtype=torch.bfloat16)
-    yield model, tok
-    del model
+        yield qwen
+    else:
+        yield load_model(QWEN_CODER, dtype=torch.bfloat16)
 
 
 def _code_ids(tok, n: int) -> torch.Tensor:

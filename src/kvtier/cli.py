@@ -44,24 +44,22 @@ def _model_dtype(name: str) -> torch.dtype:
     return table[name]
 
 
-def _positive(text: str) -> int:
+def _int_at_least(text: str, minimum: int, expected: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        value = minimum - 1
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def _positive(text: str) -> int:
+    return _int_at_least(text, 1, "a positive integer")
 
 
 def _nonnegative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+    return _int_at_least(text, 0, "an integer >= 0")
 
 
 def _threads(text: str) -> int:
