@@ -112,7 +112,8 @@ def test_fast_matches_reference(name, D, gqa, q, B, pads, path):
 def test_long_query_is_split_and_still_matches(monkeypatch, path):
     from kvtier.attention import plan
 
-    monkeypatch.setattr(plan, "SCORE_BUDGET", 200)  # the one threshold: several query chunks
+    monkeypatch.setattr(plan, "SCORE_BUDGET", 200)  # the thresholds: several query chunks
+    monkeypatch.setattr(plan, "FLASH_PASS_BUDGET", 200)  # (the flash op's passes, where it runs)
     layer, valid = build_layer(POLICIES["int4+sign"], 2, 2, 16, [50, 40], [0, 13])
     query = torch.randn(2, 4, 40, 16)
     assert len(plan.plan_for(layer, query, None, path).chunks) > 1

@@ -237,6 +237,7 @@ def test_plan_is_built_once_per_call_and_layout():
     assert plan_mod.plan_for(b, query, mask) is p
     assert plan_mod.plan_for(a, query, mask_for(valid, 1)) is not p
     assert plan_mod.plan_for(a, torch.randn(2, 4, 1, 16, dtype=torch.float64), mask) is p  # dtype: not layout
+    assert plan_mod.plan_for(a, query.bfloat16(), mask) is not p  # ... unless the flash op would read it
     layers_attention = plan_mod.plan_for(a, query, mask, "torch")
     assert layers_attention is not p and layers_attention.force == "torch"
 
@@ -310,3 +311,76 @@ def test_cli_attention_option_forces_the_tiered_caches(model):
 
     with pytest.raises(ValueError, match="'triton' needs CUDA tensors"):
         _forced(specs, "triton", OnMeta())
+
+
+# --- long dense calls: every segment through torch's CPU flash op (prefill) ----------------------
+def _flash_or_skip():
+    if plan_mod.flash_lse_op() is None:
+        pytest.skip("torch's CPU flash op with lse is unavailable here")
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+@pytest.mark.parametrize("B,pads", [(1, [0]), (2, [0, 30])])
+def test_long_call_flash_pass_matches_reference(name, B, pads):
+    """A prefill-sized chunk (rows > ``CPU_KERNEL_MAX_ROWS``, dense): sinks, hot and every packed
+    tier go through the flash op in one pass (no score matrix, tiers decoded once) - within the
+    oracle bound of the fp64 reference, left padding included."""
+    _flash_or_skip()
+    policy = POLICIES[name].replace(value_group_size=4)
+    H, gqa, D, q = 2, 3, 16, 23  # 69 rows per KV head
+    layer, valid = build_layer(policy, B, H, D, [37, 11, 3, q], pads, seed=q)
+    query = torch.randn(B, H * gqa, q, D, generator=torch.Generator().manual_seed(5))
+    mask = mask_for(valid, q)
+    plan = plan_mod.plan_for(layer, query, mask)
+    assert len(plan.chunks) == 1 and plan.chunks[0].rows == gqa * q
+    c = plan.chunks[0]
+    assert c.exact.flash is not None and c.exact.chunked and c.packed is c.exact
+    fast = tiered_attention(layer, query, mask, 0.3, plan)
+    ref32 = reference_attention(layer, query, mask, 0.3)
+    ref64 = reference_attention(layer, query.double(), mask, 0.3)
+    real = valid[:, -q:]  # rows of real (non-pad) queries
+    err = (fast.double() - ref64)[real].abs().max().item()
+    err_ref = (ref32.double() - ref64)[real].abs().max().item()
+    assert torch.isfinite(fast).all()
+    assert err <= 2 * err_ref + 1e-5, (err, err_ref)
+
+
+def test_long_call_flash_pass_reads_the_model_dtype():
+    """A bf16 query's flash pass reads bf16 (what the model's own SDPA reads): the plan says so and
+    the output is within bf16's rounding of the fp64 reference; an fp32 query stays fp32."""
+    _flash_or_skip()
+    policy = POLICIES["int4+sign"].replace(value_group_size=4)
+    B, H, gqa, D, q = 2, 2, 3, 16, 23
+    layer, valid = build_layer(policy, B, H, D, [37, 11, 3, q], [0, 30], seed=1)
+    query = torch.randn(B, H * gqa, q, D, generator=torch.Generator().manual_seed(6))
+    mask = mask_for(valid, q)
+    assert plan_mod.plan_for(layer, query, mask).chunks[0].exact.flash_dtype == torch.float32
+    plan = plan_mod.plan_for(layer, query.bfloat16(), mask)
+    assert plan.chunks[0].exact.flash_dtype == torch.bfloat16
+    out = tiered_attention(layer, query.bfloat16(), mask, 0.3, plan)
+    assert out.dtype == torch.bfloat16
+    ref = reference_attention(layer, query.bfloat16().double(), mask, 0.3)
+    real = valid[:, -q:]
+    scale = ref[real].abs().max().item()
+    assert (out.double() - ref)[real].abs().max().item() <= 2**-6 * scale  # a few bf16 ulps of inputs and output
+
+
+def test_long_call_passes_are_bounded_by_the_mask_budget(monkeypatch):
+    """Without a score matrix a dense call runs in passes of ``FLASH_PASS_BUDGET`` rows x tokens
+    (the exact tokens' boolean mask), not ``SCORE_BUDGET``; a token-sparse short call keeps the
+    score budget (its selection builds scores)."""
+    _flash_or_skip()
+    monkeypatch.setattr(plan_mod, "SCORE_BUDGET", 600)
+    monkeypatch.setattr(plan_mod, "FLASH_PASS_BUDGET", 6000)
+    layer, valid = build_layer(POLICIES["int4+sign"], 1, 2, 16, [60, 40], [0])
+    query = torch.randn(1, 6, 40, 16)
+    plan = plan_mod.plan_for(layer, query, mask_for(valid, 40))
+    step = 6000 // (100 * 3)  # tokens x G
+    assert [c.stop - c.start for c in plan.chunks] == [step, 40 - step]
+    out = tiered_attention(layer, query, mask_for(valid, 40), 0.3, plan)
+    ref = reference_attention(layer, query, mask_for(valid, 40), 0.3)
+    assert (out - ref).abs().max() < 1e-4
+    sparse = POLICIES["int4+sign"].replace(sparse=SPARSE["tokens-mass"])
+    layer, valid = build_layer(sparse, 1, 2, 16, [60, 4], [0])
+    plan = plan_mod.plan_for(layer, torch.randn(1, 6, 4, 16), mask_for(valid, 4), "torch")
+    assert plan.selection == "tokens" and len(plan.chunks) == 2  # 600 // (64 x 3) = 3 tokens a pass

@@ -184,6 +184,13 @@ class OffloadPolicy:
         read budget): every ``ceil(n / max_blocks)`` steps for a layer of ``n`` cold blocks - every
         step while the budget cannot bind, and beyond it the selection's O(n) sketch scoring is
         amortized so that its cost per step stays about that of ``max_blocks`` blocks.
+    max_query_tokens : sketch selection applies to forward calls of at most this many new tokens
+        (decode steps, short speculative chunks; ``None``: every call). Longer calls - prompt
+        prefill - attend every cold block exactly: a prefill chunk's thousands of query rows
+        select nearly every block anyway (92 % of a KV head's union at one decode row on SmolLM2),
+        and scoring sketches and masking rows per block cost more than the attention; dense,
+        the chunk reads each block once through torch's flash op, and the tokens it writes are
+        computed from exact attention.
     """
 
     backend: str = "cpu"
@@ -197,6 +204,7 @@ class OffloadPolicy:
     margin: int = 4
     coarse_tol: float = 0.0
     reuse_steps: int | None = 1
+    max_query_tokens: int | None = 16
 
     def __post_init__(self) -> None:
         _check_choice("backend", self.backend, OFFLOAD_BACKENDS)
@@ -228,6 +236,7 @@ class OffloadPolicy:
             "a number in [0, 1)",
         )
         _check_count("reuse_steps", self.reuse_steps, allow_none=True, minimum=1, maximum=MAX_BLOCKS)
+        _check_count("max_query_tokens", self.max_query_tokens, allow_none=True, minimum=1, maximum=MAX_WINDOW)
         _check(
             self.prefetch is None or isinstance(self.prefetch, bool), "prefetch", self.prefetch, "a bool or None (auto)"
         )

@@ -85,6 +85,42 @@ def exact_partial(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     return Partial(p @ v.float(), lse)
 
 
+def flash_exact_partial(
+    rows: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    flash,
+    budget: int,
+    dtype: torch.dtype = torch.float32,
+) -> Partial:
+    """:func:`exact_partial` through ``flash`` (torch's CPU flash op with lse, the plan's probe): no
+    ``[R, N]`` score matrix is built; the boolean mask becomes an additive one, made for at most
+    ``budget`` rows x tokens at a time (rows in slices). Inputs are cast to ``dtype`` (bf16 for a
+    bf16 model: what its own SDPA reads; the op accumulates in fp32); ``out`` is fp32. Rows with
+    nothing allowed give 0 and ``-inf`` as in :func:`exact_partial`. Shapes as :func:`exact_partial`."""
+    B, H, R, D = rows.shape
+    rows, k, v = rows.to(dtype), k.to(dtype), v.to(dtype)
+    N = k.shape[2]
+    step = R if allowed is None or allowed.shape[-2] == 1 else max(1, budget // max(1, N))
+    outs, lses = [], []
+    for s in range(0, R, step):
+        r = rows[:, :, s : s + step]
+        if allowed is None:
+            out, lse = flash(r, k, v, 0.0, False, scale=1.0)[:2]
+        else:
+            a = allowed if allowed.shape[-2] == 1 else allowed[..., s : s + step, :]
+            bias = torch.zeros(a.shape, dtype=dtype, device=rows.device).masked_fill_(~a, NEG_INF)
+            out, lse = flash(r, k, v, 0.0, False, attn_mask=bias, scale=1.0)[:2]
+            empty = ~a.any(-1)  # the op reports lse 0 (and no output) for rows with nothing to attend
+            out, lse = out.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, NEG_INF)
+        outs.append(out.float())
+        lses.append(lse)
+    if len(outs) == 1:
+        return Partial(outs[0], lses[0])
+    return Partial(torch.cat(outs, 2), torch.cat(lses, 2))
+
+
 def _subplanes(codes: torch.Tensor, bits: int, dim: int):
     """Yield ``(weight, channel_slice, values)`` for every bit-plane slice of packed codes.
 
@@ -200,19 +236,21 @@ def packed_partial(
     return Partial(out @ r.T if r is not None else out, lse)
 
 
-def _flash_chunks(rows, fields, codec, dim: int, step: int, flash) -> Partial:
-    """Per chunk of decoded blocks: ``flash`` (fused flash attention with lse), then the LSE merge."""
+def _flash_chunks(rows, fields, codec, dim: int, step: int, flash, dtype: torch.dtype = torch.float32) -> Partial:
+    """Per chunk of decoded blocks: ``flash`` (fused flash attention with lse) in ``dtype`` (blocks
+    decoded in fp32, then cast), then the LSE merge."""
     B, H, R, D = rows.shape
+    rows = rows.to(dtype)
     parts = []
     for c in range(0, fields["valid"].shape[2], step):
         f = {name: t[:, :, c : c + step] for name, t in fields.items()}
-        k = codec.decode_keys(f, dim, torch.float32).reshape(B, H, -1, D)
-        v = codec.decode_values(f, dim, torch.float32).reshape(B, H, -1, D)
+        k = codec.decode_keys(f, dim, torch.float32).reshape(B, H, -1, D).to(dtype)
+        v = codec.decode_values(f, dim, torch.float32).reshape(B, H, -1, D).to(dtype)
         valid = f["valid"].reshape(B, 1, 1, -1)
-        bias = torch.zeros(valid.shape).masked_fill_(~valid, NEG_INF)
+        bias = torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, NEG_INF)
         out, lse = flash(rows, k, v, 0.0, False, attn_mask=bias, scale=1.0)[:2]
         empty = ~valid.any(-1)  # [B,1,1]: the op reports lse 0 for rows with nothing to attend
-        parts.append(Partial(out.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, NEG_INF)))
+        parts.append(Partial(out.float().masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, NEG_INF)))
     return Partial(merge(parts), torch.logsumexp(torch.stack([p.lse for p in parts]), 0))
 
 
@@ -226,17 +264,18 @@ def chunked_partial(
     *,
     chunk_tokens: int,
     flash=None,
+    flash_dtype: torch.dtype = torch.float32,
 ) -> Partial:
     """Attention over a tier for many query rows (prefill chunks): keys, then values, are decoded
     ``chunk_tokens`` at a time and multiplied in dense GEMMs, which beats reading the packed
     codes per row when rows are many; the tier is never decoded as a whole. Same semantics as
     :func:`packed_partial` (``block_mask``, ``select``). ``flash``: torch's CPU flash op with lse
-    (the plan's probe), used per decoded chunk when nothing is selected."""
+    (the plan's probe), used per decoded chunk when nothing is selected, in ``flash_dtype``."""
     B, H, R, D = rows.shape
     n, T = fields["valid"].shape[2:4]
     step = max(1, chunk_tokens // T)
     if block_mask is None and select is None and flash is not None:
-        return _flash_chunks(rows, fields, codec, dim, step, flash)
+        return _flash_chunks(rows, fields, codec, dim, step, flash, flash_dtype)
     scores = torch.empty(B, H, R, n * T, device=rows.device)
     for c in range(0, n, step):
         f = {name: t[:, :, c : c + step] for name, t in fields.items()}

@@ -46,6 +46,12 @@ KERNEL_MAX_ROWS = 16
 CPU_KERNEL_MAX_ROWS = 32
 #: Max score elements (rows x tokens) per pass; longer query calls are split into chunks.
 SCORE_BUDGET = 1 << 23
+#: Where every segment of a long dense call goes through torch's CPU flash op (no score matrix),
+#: only the exact tokens' boolean mask grows with rows x tokens: passes are this many elements
+#: (64 MiB of mask) instead of ``SCORE_BUDGET``, so the packed tiers are decoded once per pass,
+#: not once per ``SCORE_BUDGET`` slice (a 2,048-token prefill chunk of a 6:1 GQA model over 8k
+#: tokens: 2 passes instead of 12).
+FLASH_PASS_BUDGET = 1 << 26
 #: Tokens decoded at a time by the torch backend's chunked path.
 DECODE_CHUNK_TOKENS = 1024
 
@@ -139,7 +145,9 @@ class AttentionPlan:
     ----------
     path : ``"reference"`` (dense oracle), ``"sdpa"`` (only hot tokens: the plain SDPA call,
         bit-identical to ``DynamicCache``), ``"tiered"`` (per-segment partials) or ``"offload"``.
-    selection : ``"dense"``, ``"blocks"`` or ``"tokens"``: the sparse selection of this call.
+    selection : ``"dense"``, ``"blocks"`` or ``"tokens"``: the sparse selection of this call;
+        on an offloaded layer ``"sketch"`` (cold blocks chosen per row from their key sketches)
+        or ``"dense"`` (a call longer than ``OffloadPolicy.max_query_tokens``: every cold block).
     sparse : the sparse policy applied (None: dense).
     dense_call : the layer's policy is sparse but this call attends densely (a long chunk, or a
         backend without its selection): its work is counted apart.
@@ -171,13 +179,27 @@ def check_force(force: str, device: torch.device) -> None:
         raise ValueError(f"attention backend {force!r} is not allowed: expected one of {FORCE}")
 
 
-def _chunk(start, stop, rows, device, selection, force, fused_layer, codecs_affine) -> ChunkPlan:
-    """Backends of one query chunk of ``rows`` rows per KV head."""
+def flash_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the CPU flash op reads for a query of ``dtype``: the model's own bf16 / fp16 (what its
+    SDPA reads; the op accumulates in fp32, and bf16 runs on AMX / AVX-512 BF16 at ~4x fp32's
+    speed), else fp32."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def _chunk(start, stop, rows, device, selection, force, fused_layer, codecs_affine, dtype) -> ChunkPlan:
+    """Backends of one query chunk of ``rows`` rows per KV head (query ``dtype``)."""
     few = rows <= (CPU_KERNEL_MAX_ROWS if device.type == "cpu" else KERNEL_MAX_ROWS)
     flash = flash_lse_op() if device.type == "cpu" else None
-    torch_b = TorchBackend(not few, DECODE_CHUNK_TOKENS, flash) if flash is not None and not few else _TORCH[not few]
-    other = TorchBackend(True, DECODE_CHUNK_TOKENS, flash) if flash is not None else _TORCH[True]
+    fd = flash_dtype(dtype)
+    torch_b = (
+        TorchBackend(not few, DECODE_CHUNK_TOKENS, flash, SCORE_BUDGET, fd)
+        if flash is not None and not few
+        else _TORCH[not few]
+    )
+    other = TorchBackend(True, DECODE_CHUNK_TOKENS, flash, SCORE_BUDGET, fd) if flash is not None else _TORCH[True]
     exact, packed, fused = _TORCH[False], torch_b, False
+    if flash is not None and not few and force in (None, "torch"):
+        exact = torch_b  # sinks and hot of a long chunk through the flash op too
     sketch = device.type == "cpu" and few and force != "torch" and sketch_kernel_available()
     if force == "torch":
         pass
@@ -210,7 +232,7 @@ def _chunk(start, stop, rows, device, selection, force, fused_layer, codecs_affi
 def _layout(layer, query: torch.Tensor) -> tuple:
     """What a plan depends on, cheap to hash (read once per layer and call): the layer's policy
     (sparse policy, codecs, offloading: fixed per policy object), whether it holds more than hot
-    tokens, heads, query length, tokens held, device type."""
+    tokens, heads, query length, tokens held, device type, the dtype the flash op would read."""
     warm, cold = layer.warm, layer.cold
     has_prefix = layer.sinks.k is not None or bool(
         (warm is not None and warm.nblocks) or (cold is not None and cold.nblocks)
@@ -224,6 +246,7 @@ def _layout(layer, query: torch.Tensor) -> tuple:
         layer.kv_heads,
         layer.seen - layer.evicted,
         query.device.type,
+        flash_dtype(query.dtype),
     )
 
 
@@ -247,7 +270,9 @@ def plan_for(layer, query: torch.Tensor, mask=None, force: str | None = None) ->
     return plan
 
 
-def _build(layer, force: str | None, has_prefix: bool, Hq: int, q: int, H: int, tokens: int, device: str):
+def _build(
+    layer, force: str | None, has_prefix: bool, Hq: int, q: int, H: int, tokens: int, device: str, dtype: torch.dtype
+):
     attention = layer.attention
     policy_sparse = layer.policy.sparse
     tiers = [t for t in (layer.cold, layer.warm) if t is not None]
@@ -261,8 +286,11 @@ def _build(layer, force: str | None, has_prefix: bool, Hq: int, q: int, H: int, 
     if not has_prefix:
         return AttentionPlan("sdpa", "dense", None, False, (), force)
     sp = policy_sparse
+    offload_dense = False
     if offloaded:
         sp = None  # offloaded layers select by their OffloadPolicy, not by SparsePolicy
+        limit = layer.cold.policy.max_query_tokens
+        offload_dense = limit is not None and q > limit  # a long chunk (prefill): every cold block
     if sp is not None and sp.max_query_tokens is not None and q > sp.max_query_tokens:
         sp = None  # a long chunk (prefill): dense
     triton_used = force == "triton" or (force is None and device.type == "cuda" and _triton() is not None)
@@ -270,11 +298,18 @@ def _build(layer, force: str | None, has_prefix: bool, Hq: int, q: int, H: int, 
         _fallback("Triton kernels select blocks, not tokens: token-sparse calls attend densely on Triton")
         sp = None
     selection = "dense" if sp is None else sp.select
+    if offloaded and not offload_dense:
+        selection = "sketch"
     G = Hq // H
     step = max(1, SCORE_BUDGET // max(1, tokens * G))
+    flash_pass = (
+        device.type == "cpu" and selection == "dense" and force in (None, "torch") and flash_lse_op() is not None
+    )
+    if flash_pass and G * q > CPU_KERNEL_MAX_ROWS:  # a long call, no score matrix: longer passes
+        step = max(step, FLASH_PASS_BUDGET // max(1, tokens * G))
     fused_layer = attention == "fast" or force == "fused"
     chunks = tuple(
-        _chunk(s, min(s + step, q), G * (min(s + step, q) - s), device, selection, force, fused_layer, affine)
+        _chunk(s, min(s + step, q), G * (min(s + step, q) - s), device, selection, force, fused_layer, affine, dtype)
         for s in range(0, q, step)
     )
     path = "offload" if offloaded else "tiered"

@@ -37,7 +37,7 @@ from ..cache.state import LayerState
 from ..indexing import hot_rows_allowed
 from ..kernels import fused_cpu
 from ..policy import OffloadPolicy
-from .sketch import KeySketch, block_lse, block_lse_torch, expand, nonempty, query_rows
+from .sketch import KeySketch, block_lse, block_lse_torch, expand, nonempty, query_rows, unpack_valid
 from .tier import OffloadTier
 
 
@@ -295,8 +295,31 @@ def _source_addresses(blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n:
     return out[0], out[1]
 
 
+def _cold_dense(tier: OffloadTier, rows: torch.Tensor, chunk: ChunkPlan) -> list[Partial]:
+    """Every cold block, exactly (a call longer than ``OffloadPolicy.max_query_tokens``): one
+    partial per source of :meth:`OffloadTier.gather`, masked only by the blocks' valid tokens
+    (every cold token precedes the call's queries)."""
+    B, H, R, D = rows.shape
+    T = tier.block_tokens
+    valid = unpack_valid(tier.fields["valid_bits"], T).expand(B, H, -1, -1)  # [B,H,n,T]
+    parts = []
+    for blocks, k, v in tier.gather(valid.any(-1)):
+        kk = blocks.shape[-1]
+        idx = blocks.clamp(min=0)
+        vg = valid.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, T)) & (blocks >= 0).unsqueeze(-1)
+        allowed = vg.reshape(B, H, 1, kk * T)
+        parts.append(chunk.exact.exact(rows, k.reshape(B, H, kk * T, D), v.reshape(B, H, kk * T, D), allowed))
+    return parts
+
+
 def _attend(
-    layer: LayerState, query: torch.Tensor, q_pos: torch.Tensor, padding, scaling: float, chunk: ChunkPlan
+    layer: LayerState,
+    query: torch.Tensor,
+    q_pos: torch.Tensor,
+    padding,
+    scaling: float,
+    chunk: ChunkPlan,
+    dense: bool = False,
 ) -> torch.Tensor:
     B, Hq, q, D = query.shape
     H = layer.kv_heads
@@ -304,7 +327,11 @@ def _attend(
     tier = layer.cold
     parts: list[Partial] = []
     fast = (
-        tier.nblocks and kernel_path(tier, chunk) and fused_cpu.available() and not (layer.warm and layer.warm.nblocks)
+        not dense
+        and tier.nblocks
+        and kernel_path(tier, chunk)
+        and fused_cpu.available()
+        and not (layer.warm and layer.warm.nblocks)
     )
     if layer.sinks.k is not None and not fast:
         parts.append(chunk.exact.exact(rows, layer.sinks.k, layer.sinks.v, layer.sinks.valid()[:, None, None, :]))
@@ -322,6 +349,10 @@ def _attend(
         out, lse, _ = fused_cpu.layer_attention(rows, [*exact, (hk, hv, allowed)], [])
         return from_rows(_attend_kernel(tier, rows, q_pos.repeat(Hq // H), out, lse, layer.evicted), Hq, q)
     parts.append(chunk.exact.exact(rows, hk, hv, hot_rows_allowed(layer, q_pos, padding, Hq // H)))
+    if dense:
+        if tier.nblocks:
+            parts += _cold_dense(tier, rows, chunk)
+        return from_rows(merge(parts), Hq, q)
     if tier.nblocks and kernel_path(tier, chunk):
         lse_res = torch.stack([p.lse for p in parts]).logsumexp(0)
         return from_rows(_attend_kernel(tier, rows, q_pos.repeat(Hq // H), merge(parts), lse_res, layer.evicted), Hq, q)
@@ -349,7 +380,7 @@ def offload_attention(
         outs = []
         for c in plan.chunks:
             q_pos = first + torch.arange(c.start, c.stop, device=query.device)
-            outs.append(_attend(layer, query[:, :, c.start : c.stop], q_pos, padding, scaling, c))
+            outs.append(_attend(layer, query[:, :, c.start : c.stop], q_pos, padding, scaling, c, plan.selection == "dense"))
     finally:
         tier.end_step()
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

@@ -16,14 +16,17 @@ from typing import Any
 
 import torch
 
-from ..partials import Partial, chunked_partial, exact_partial, packed_partial
+from ..partials import Partial, chunked_partial, exact_partial, flash_exact_partial, packed_partial
 from ..sparse import gather_fields, select_tokens
 from .base import DENSE, Backend, Selection
 
 
 class TorchBackend(Backend):
     """Plain torch ops. ``chunked``: decode the tier in chunks of ``chunk_tokens`` tokens and use
-    GEMMs (or ``flash``, torch's CPU flash op with lse, when given and nothing is selected)."""
+    GEMMs (or ``flash``, torch's CPU flash op with lse, when given and nothing is selected); with
+    ``flash``, exact segments of a chunked call go through it too, their masks made for at most
+    ``mask_budget`` rows x tokens at a time; ``flash_dtype``: what the flash op reads (the
+    model's bf16 / fp16 where it is one, else fp32)."""
 
     name = "torch"
     devices = ("cpu", "cuda")
@@ -31,15 +34,26 @@ class TorchBackend(Backend):
     selections = ("dense", "blocks", "tokens")
     exact_segments = True
 
-    def __init__(self, chunked: bool = False, chunk_tokens: int = 1024, flash: Any = None) -> None:
+    def __init__(
+        self,
+        chunked: bool = False,
+        chunk_tokens: int = 1024,
+        flash: Any = None,
+        mask_budget: int = 1 << 23,
+        flash_dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.chunked = chunked
         self.chunk_tokens = chunk_tokens
         self.flash = flash
+        self.mask_budget = mask_budget
+        self.flash_dtype = flash_dtype
 
     def __repr__(self) -> str:
-        return f"TorchBackend(chunked={self.chunked})"
+        return f"TorchBackend(chunked={self.chunked}, flash={self.flash is not None}, flash_dtype={self.flash_dtype})"
 
     def exact(self, rows, k, v, allowed) -> Partial:
+        if self.chunked and self.flash is not None:
+            return flash_exact_partial(rows, k, v, allowed, self.flash, self.mask_budget, self.flash_dtype)
         return exact_partial(rows, k, v, allowed)
 
     def tier(self, rows: torch.Tensor, fields: dict, codec, dim: int, sel: Selection = DENSE) -> Partial:
@@ -59,7 +73,8 @@ class TorchBackend(Backend):
 
         if self.chunked or codec.AFFINE is None:
             part = chunked_partial(
-                rows, fields, codec, dim, block_mask, select, chunk_tokens=self.chunk_tokens, flash=self.flash
+                rows, fields, codec, dim, block_mask, select, chunk_tokens=self.chunk_tokens, flash=self.flash,
+                flash_dtype=self.flash_dtype,
             )
         else:
             part = packed_partial(rows, fields, codec, dim, block_mask, select)
