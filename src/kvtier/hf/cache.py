@@ -60,6 +60,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from ..cache.adaptive import Budget
+from ..cache.codecs import value_group
 from ..cache.state import ATTENTION_NAME, Journal, forward_epoch
 from ..diagnostics import MemoryReport, memory_report
 from ..errors import CacheFullError, KVTierError
@@ -140,6 +141,10 @@ class TieredCache(Cache):
             if not -n <= idx < n:
                 raise ValueError(f"layer_overrides key {idx} is not allowed: the model has {n} layers")
         policies = {i: self.policy.for_layer(i, n) for i, kind in enumerate(layer_types) if kind == "full_attention"}
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        for p in set(policies.values()):
+            if not p.is_exact:
+                value_group(p, head_dim)  # a group size head_dim refuses: the one-line error here, not at the first call
         offloading = [p.offload for p in policies.values() if p.cold == "offload" and not p.is_exact]
         if max_bytes is not None and on_full in ("evict", "degrade") and offloading:
             raise ValueError(
