@@ -9,6 +9,8 @@ blocks that were full before a step through ``decode(encode(block))``.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -608,3 +610,58 @@ def test_triton_path_refusals() -> None:
         triton_pages.attend(*args[:5], idx["reqs"].int(), *args[6:], fmt.layout(), 4, **kw)
     with pytest.raises(ValueError, match="contiguous"):
         triton_pages.attend(q.transpose(0, 1).contiguous().transpose(0, 1), *args[1:], fmt.layout(), 4, **kw)
+
+
+@_NO_KERNEL
+def test_fused_kernels_refuse_indices_out_of_range() -> None:
+    """Every index the C++ kernels follow is checked: a request's rows past q / key, a page id or
+    side slot outside the buffers, a block whose new tokens run past key - one line naming it,
+    never a read or write out of bounds (nothing is written before the checks)."""
+    dtype = torch.bfloat16
+    fmt = PageFormat(PagePolicy(block_size=32), H, D, dtype)
+    T = 32
+    pages = fmt.encode(torch.randn(4, H, T, D).to(dtype), torch.randn(4, H, T, D).to(dtype))
+    side = torch.randn(2, T, 2, H, D).to(dtype)
+    q, key, value = torch.randn(5, HQ, D).to(dtype), torch.randn(5, H, D).to(dtype), torch.randn(5, H, D).to(dtype)
+    out = torch.zeros(5, HQ, D)
+
+    def attend(reqs, pids, pstart=None, k=key):
+        reqs = torch.tensor(reqs, dtype=torch.long)
+        pstart = torch.tensor(pstart or [0, len(pids)], dtype=torch.long)
+        vllm_paged_cpu.attend(q, k, value, side, pages, reqs, pstart, torch.tensor(pids, dtype=torch.long), out,
+                              0.1, fmt.layout())  # fmt: skip
+
+    attend([[0, 5, 1, 7, -1, 0]], [3, 0])  # in range: runs
+    before = out.clone()
+    bad = [
+        (dict(reqs=[[0, 5, 1, 7, -1, 0]], pids=[3, 4]), "pids[1] = 4 is outside the 4 pages"),
+        (dict(reqs=[[0, 5, 1, 7, -1, 0]], pids=[3, -1]), "pids[1] = -1"),
+        (dict(reqs=[[0, 6, 1, 7, -1, 0]], pids=[3]), "new tokens [0, 6) outside the 5 rows"),
+        (dict(reqs=[[0, 5, 1, 7, -1, 0]], pids=[3], k=key[:4]), "outside the 4 rows"),
+        (dict(reqs=[[0, 5, 2, 7, -1, 0]], pids=[3]), "side slot 2 with 7 rows is outside 2 slots"),
+        (dict(reqs=[[0, 5, 1, 33, -1, 0]], pids=[3]), "with 33 rows"),
+        (dict(reqs=[[0, 5, 1, 7, 9, 4]], pids=[3]), "head block 9 with 4 rows is outside 4 pages"),
+        (dict(reqs=[[0, 5, 1, 7, -1, 0]], pids=[3], pstart=[0, 2]), "pstart: pages [0, 2) outside the 1 pids"),
+        (dict(reqs=[[0, 2, 0, 0, -1, 0], [2, 5, 1, 7, -1, 0]], pids=[3], pstart=[0, 1]), "pstart: 3 entries"),
+    ]
+    for kwargs, shown in bad:
+        with pytest.raises(RuntimeError, match=re.escape(shown)) as err:
+            attend(**kwargs)
+        assert "\n" not in str(err.value).strip()
+    assert torch.equal(out, before)
+    enc = torch.tensor([[1, 0, 4, 3]], dtype=torch.long)  # page 1: 4 side rows of slot 0, then key[3:31]
+    writes = torch.zeros(0, 2, dtype=torch.long)
+    for enc_bad, writes_bad, shown in [
+        ([[4, 0, 4, 0]], None, "enc[0]: page 4 is outside the 4 pages"),
+        ([[1, 2, 4, 0]], None, "side slot 2 with 4 rows"),
+        (None, None, "new tokens from 3 run past the 5 rows"),
+        ([[1, 0, 32, 0]], [[64, 0]], "writes[0]: side row 64"),
+        ([[1, 0, 32, 0]], [[3, 5]], "token 5"),
+    ]:
+        e = enc if enc_bad is None else torch.tensor(enc_bad, dtype=torch.long)
+        w = writes if writes_bad is None else torch.tensor(writes_bad, dtype=torch.long)
+        with pytest.raises(RuntimeError, match=re.escape(shown)):
+            vllm_paged_cpu.update(pages, side, key, value, e, w, fmt.layout())
+    with pytest.raises(RuntimeError, match=re.escape("pids[2] = 7 is outside the 4 pages")):
+        kd = torch.empty(3 * T, H, D, dtype=dtype)
+        vllm_paged_cpu.decode(pages, torch.tensor([0, 1, 7]), kd, kd.clone(), dtype, fmt.layout())

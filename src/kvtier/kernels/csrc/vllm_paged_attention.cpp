@@ -924,6 +924,34 @@ void check_index(const torch::Tensor& x, const char* what, int64_t cols) {
               what, ": contiguous int64 index of the wrong shape");
 }
 
+// Every index the kernels follow lies in range: a wrong one is a one-line error naming it, never a
+// read or write out of bounds. O(requests + pages) per call.
+void check_pages(const torch::Tensor& pids, int64_t from, int64_t to, int64_t npages) {
+  const int64_t* pid = pids.data_ptr<int64_t>();
+  for (int64_t i = from; i < to; ++i)
+    TORCH_CHECK(0 <= pid[i] && pid[i] < npages, "pids[", i, "] = ", pid[i], " is outside the ", npages, " pages");
+}
+
+void check_requests(const torch::Tensor& reqs, const torch::Tensor& pstart, const torch::Tensor& pids, int64_t rows,
+                    int64_t slots, int64_t T, int64_t npages) {
+  const int64_t R = reqs.size(0), Np = pids.size(0);
+  TORCH_CHECK(pstart.size(0) == R + 1, "pstart: ", R + 1, " entries for ", R, " requests, got ", pstart.size(0));
+  const int64_t* rq = reqs.data_ptr<int64_t>();
+  const int64_t* ps = pstart.data_ptr<int64_t>();
+  TORCH_CHECK(ps[0] >= 0 && ps[R] <= Np, "pstart: pages [", ps[0], ", ", ps[R], ") outside the ", Np, " pids");
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t* e = rq + 6 * r;  // qs, qe, side slot, side rows, head block, head rows
+    TORCH_CHECK(0 <= e[0] && e[0] <= e[1] && e[1] <= rows, "reqs[", r, "]: new tokens [", e[0], ", ", e[1],
+                ") outside the ", rows, " rows of q, key, value and out");
+    TORCH_CHECK(ps[r] <= ps[r + 1], "pstart: decreasing at request ", r);
+    TORCH_CHECK(0 <= e[3] && e[3] <= T && (e[3] == 0 || (0 <= e[2] && e[2] < slots)), "reqs[", r, "]: side slot ",
+                e[2], " with ", e[3], " rows is outside ", slots, " slots of ", T, " rows");
+    TORCH_CHECK(0 <= e[5] && e[5] <= T && (e[5] == 0 || (0 <= e[4] && e[4] < npages)), "reqs[", r, "]: head block ",
+                e[4], " with ", e[5], " rows is outside ", npages, " pages of ", T, " tokens");
+  }
+  check_pages(pids, ps[0], ps[R], npages);
+}
+
 }  // namespace
 
 void vllm_paged_attend(
@@ -956,6 +984,13 @@ void vllm_paged_attend(
   check_index(reqs, "reqs", 6);
   check_index(pstart, "pstart", 0);
   check_index(pids, "pids", 0);
+  TORCH_CHECK(key.size(1) == L.H && value.size(1) == L.H && key.size(2) == L.D && value.size(2) == L.D,
+              "key, value: [N, H, D] of the layout's heads and head_dim");
+  TORCH_CHECK(out.size(1) == q.size(1) && out.size(2) == L.D, "out: [N, Hq, D] as q");
+  TORCH_CHECK(side.size(1) == L.T && side.size(2) == 2 && side.size(3) == L.H && side.size(4) == L.D,
+              "side: [slots, T, 2, H, D] of the layout");
+  check_requests(reqs, pstart, pids, std::min({q.size(0), key.size(0), value.size(0), out.size(0)}), side.size(0), L.T,
+                 pages.size(0));
   TORCH_CHECK(level > 0.0 && level <= 1.0 && window >= 0 && max_query >= 1, "sparse: level in (0, 1], window >= 0");
   TORCH_CHECK(counts.numel() == 0 || (counts.scalar_type() == torch::kInt64 && counts.numel() == 2 && counts.is_contiguous()),
               "counts: empty or contiguous int64 [2]");
@@ -987,6 +1022,28 @@ void vllm_paged_update(
   TORCH_CHECK(L.D % 2 == 0 && L.T % L.kg == 0 && L.D % L.vg == 0, "layout");
   check_index(enc, "enc", 4);
   check_index(writes, "writes", 2);
+  TORCH_CHECK(key.size(1) == L.H && value.size(1) == L.H && key.size(2) == L.D && value.size(2) == L.D,
+              "key, value: [N, H, D] of the layout's heads and head_dim");
+  TORCH_CHECK(side.size(1) == L.T && side.size(2) == 2 && side.size(3) == L.H && side.size(4) == L.D,
+              "side: [slots, T, 2, H, D] of the layout");
+  {
+    const int64_t N = std::min(key.size(0), value.size(0)), slots = side.size(0);
+    const int64_t* en = enc.data_ptr<int64_t>();
+    for (int64_t b = 0; b < enc.size(0); ++b) {
+      const int64_t* e = en + 4 * b;  // page, side slot, side rows, first new token
+      TORCH_CHECK(0 <= e[0] && e[0] < pages.size(0), "enc[", b, "]: page ", e[0], " is outside the ", pages.size(0),
+                  " pages");
+      TORCH_CHECK(0 <= e[2] && e[2] <= L.T && (e[2] == 0 || (0 <= e[1] && e[1] < slots)), "enc[", b, "]: side slot ",
+                  e[1], " with ", e[2], " rows is outside ", slots, " slots of ", L.T, " rows");
+      TORCH_CHECK(e[2] == L.T || (0 <= e[3] && e[3] + L.T - e[2] <= N), "enc[", b, "]: new tokens from ", e[3],
+                  " run past the ", N, " rows of key and value");
+    }
+    const int64_t* wr = writes.data_ptr<int64_t>();
+    for (int64_t i = 0; i < writes.size(0); ++i)
+      TORCH_CHECK(0 <= wr[2 * i] && wr[2 * i] < slots * L.T && 0 <= wr[2 * i + 1] && wr[2 * i + 1] < N, "writes[", i,
+                  "]: side row ", wr[2 * i], " / token ", wr[2 * i + 1], " outside ", slots * L.T, " side rows / ", N,
+                  " new tokens");
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "vllm_paged_update",
                                   [&] { update_impl<scalar_t>(L, pages, side, key, value, enc, writes); });
 }
@@ -1005,6 +1062,7 @@ void vllm_paged_decode(
   TORCH_CHECK(key.numel() == pids.numel() * L.T * L.H * L.D && value.numel() == key.numel(), "key, value: [n * T, H, D]");
   TORCH_CHECK(pages.is_contiguous() && pages.size(1) == L.page, "pages: contiguous [B, page]");
   check_index(pids, "pids", 0);
+  check_pages(pids, 0, pids.size(0), pages.size(0));
   TORCH_CHECK(dt == like.scalar_type() || dt == torch::kFloat32, "key, value: fp32 or the model dtype");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, like.scalar_type(), "vllm_paged_decode", [&] {
     if (dt == torch::kFloat32)
