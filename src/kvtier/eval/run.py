@@ -323,7 +323,7 @@ def run_bench(
             med[b.spec.name] = m
             if hasattr(b.cache, "close"):
                 b.cache.close()
-        del benches
+        benches = b = None  # the loop variable too: no cache of this context lives into the next one's prefill
         base = med.get("dynamic")
         for m in med.values():
             m["decode_tok_s_ratio"] = m["decode_tok_s"] / base["decode_tok_s"] if base else float("nan")
