@@ -200,8 +200,14 @@ class KVTierWorker(OffloadingWorker):
         self._jobs[job_id] = self.store.submit(job)
 
     def _store(self, keys: list[bytes], blocks: list[int]) -> int:
-        for key, b in zip(keys, blocks):
-            self.store.put(key, self._gather(b))
+        done = 0
+        try:
+            for key, b in zip(keys, blocks):
+                self.store.put(key, self._gather(b))
+                done += 1
+        finally:  # a block whose store did not happen must not stay pending (the scheduler waits on it)
+            if done < len(keys):
+                self.store.abort(keys[done:])
         return len(keys) * self.store.fmt.exact_bytes
 
     def _load(self, keys: list[bytes], blocks: list[int]) -> int:

@@ -13,7 +13,10 @@ file or none), so a new process with the same ``disk_path`` hits. A block only o
 and fully checked (header, length, crc32) at :meth:`PrefixStore.lookup`, and its checked bytes
 are held in RAM until the load that pinned them completes: a missing, truncated or corrupted file
 is a miss at lookup (and the file is removed), never a failed load, because vLLM's offloading
-worker cannot report a failed load after lookup said hit.
+worker cannot report a failed load after lookup said hit. A folder that cannot be written (a
+read-only, pre-filled volume; found at construction or at the first failed write) serves the
+blocks it holds, keeps new blocks in RAM only and removes nothing, said once in the log; a block
+whose store fails is never left pending (the scheduler would wait on it).
 
 Threads: bookkeeping (lookup, pin, reserve, eviction) runs on the caller's thread (vLLM's
 scheduler); encoding, decoding and file writes run on one worker thread owned by the store
@@ -25,6 +28,7 @@ vLLM, transformers or ``kvtier.hf``.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -94,6 +98,14 @@ class PrefixStore:
                 self.dir.mkdir(parents=True, exist_ok=True)
             except OSError as err:
                 raise KVTierError(f"disk_path={str(disk_path)!r} cannot be used for block files: {err}") from None
+        # A folder this process cannot write (a read-only, pre-filled volume): its blocks are served,
+        # new blocks stay in RAM, and nothing is removed from it. Also set at the first failed write.
+        self.read_only = self.dir is not None and not os.access(self.dir, os.W_OK)
+        if self.read_only:
+            logger.warning(
+                "kvtier: block folder %s is read-only: the blocks it holds are served, new blocks are kept in RAM only",
+                self.dir,
+            )
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self._ram = 0
         self._lock = threading.RLock()
@@ -158,13 +170,42 @@ class PrefixStore:
         try:
             self.codec.verify(record)
         except RecordCorrupt as err:
-            logger.warning("kvtier: block file %s fails its checks (%s): a miss, removed", path, err)
             self.counters["corrupt"] += 1
-            path.unlink(missing_ok=True)
+            removed = self._unlink(path)
+            logger.warning("kvtier: block file %s fails its checks (%s): a miss%s", path, err, ", removed" * removed)
             return None
         return record
 
+    def _unlink(self, path: Path) -> bool:
+        """Remove a block file if this process may (True when it did); a failure is counted, never raised."""
+        if self.read_only:
+            return False
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as err:
+            self._disk_failed(path, err)
+            return False
+        return True
+
+    def _disk_failed(self, path: Path, err: OSError) -> None:
+        """Count a failed write or removal; a read-only folder turns writes off (said once)."""
+        self.counters["disk_errors"] += 1
+        if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            if not self.read_only:
+                self.read_only = True
+                logger.warning(
+                    "kvtier: block folder %s cannot be written (%s): the blocks it holds are served, "
+                    "new blocks are kept in RAM only",
+                    self.dir,
+                    err,
+                )
+        else:
+            logger.warning("kvtier: block file %s cannot be written (%s): kept in RAM only", path, err)
+
     def _write_file(self, key: bytes, record: torch.Tensor) -> bool:
+        """Write a block file (temporary name, then rename); False, counted and said, when it fails."""
+        if self.read_only:
+            return False
         path = self.path(key)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
@@ -172,9 +213,11 @@ class PrefixStore:
                 fh.write(record.numpy().tobytes())
             os.replace(tmp, path)
         except OSError as err:
-            logger.warning("kvtier: block file %s cannot be written (%s): kept in RAM only", path, err)
-            self.counters["disk_errors"] += 1
-            tmp.unlink(missing_ok=True)
+            self._disk_failed(path, err)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass  # nothing was created where nothing can be written
             return False
         self.counters["disk_writes"] += 1
         self.counters["disk_bytes_written"] += record.numel()
@@ -326,7 +369,7 @@ class PrefixStore:
             self._ram = 0
             if self.dir is not None:
                 for path in self.dir.glob("*" + SUFFIX):
-                    path.unlink(missing_ok=True)
+                    self._unlink(path)
 
     # --- worker side ------------------------------------------------------------------------
     def put(self, key: bytes, kv: torch.Tensor) -> None:
@@ -345,7 +388,12 @@ class PrefixStore:
                 if self._entries.get(key) is e:
                     self._remove(key)
             raise
-        on_disk = self.dir is not None and self._write_file(key, record)
+        try:
+            on_disk = self.dir is not None and self._write_file(key, record)
+        except Exception:  # never leave a reserved block pending: the scheduler would wait on it forever
+            logger.exception("kvtier: block file %s could not be written: kept in RAM only", self.path(key))
+            self.counters["disk_errors"] += 1
+            on_disk = False
         with self._lock:
             if self._entries.get(key) is e:
                 e.record, e.ready, e.busy, e.on_disk = record, True, False, on_disk

@@ -1,0 +1,140 @@
+"""The prefix store's block files on a folder that cannot be written (no vLLM needed).
+
+A pre-filled, read-only cache volume must serve the blocks it holds, keep new blocks in RAM and
+never leave a block pending (vLLM's scheduler would wait on it forever); a failed write is counted
+and said once. Tested on a real read-only tmpfs where this process may mount one (root), and with
+the file calls failing as a read-only file system fails them everywhere.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.vllm.blocks import BlockFormat
+from kvtier.vllm.policy import get_store_policy
+from kvtier.vllm.store import PrefixStore
+
+FMT = BlockFormat(layers=2, heads=2, tokens=16, head_dim=128, dtype=torch.bfloat16)
+
+
+def block(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(FMT.shape, generator=g).to(FMT.dtype)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big") + (0).to_bytes(4, "big")
+
+
+def store_blocks(store: PrefixStore, ids) -> None:
+    for i in ids:
+        for k in store.reserve([key(i)], [0]):
+            store.put(k, block(i))
+
+
+def prefill(folder: Path, ids) -> dict[int, torch.Tensor]:
+    """Blocks written by one engine; returns what a load of each gives."""
+    store = PrefixStore(get_store_policy("default"), FMT, cpu_bytes=1 << 22, disk_path=folder, namespace="ns")
+    try:
+        store_blocks(store, ids)
+        return {i: store.read(key(i)).clone() for i in ids}
+    finally:
+        store.close()
+
+
+def check_read_only_store(folder: Path, expected: dict[int, torch.Tensor], caplog) -> None:
+    files = sorted(p.name for p in (folder / "ns").iterdir())
+    caplog.clear()
+    store = PrefixStore(get_store_policy("default"), FMT, cpu_bytes=1 << 22, disk_path=folder, namespace="ns")
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvtier.vllm.store"):
+            for i, kv in expected.items():  # the volume's blocks are served
+                assert store.lookup(key(i)) == "hit"
+                store.pin([key(i)])
+                assert torch.equal(store.read(key(i)), kv)
+                store.unpin([key(i)])
+            store_blocks(store, range(10, 14))  # new prefixes: stored in RAM, never left pending
+            assert [store.lookup(key(i)) for i in range(10, 14)] == ["hit"] * 4
+            store.reset()  # removes nothing it cannot
+        assert store.read_only
+        said = [r for r in caplog.records if "read-only" in r.getMessage() or "cannot be written" in r.getMessage()]
+        assert len(said) == 1, [r.getMessage() for r in said]  # once, not per block
+        assert sorted(p.name for p in (folder / "ns").iterdir()) == files
+    finally:
+        store.close()
+
+
+def test_read_only_volume_serves_its_blocks_and_keeps_new_ones_in_ram(tmp_path, caplog):
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    mnt = tmp_path / "volume"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("this process may not mount a tmpfs")
+    try:
+        expected = prefill(mnt, range(3))
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True, capture_output=True)
+        with pytest.raises(OSError):
+            (mnt / "probe").write_bytes(b"")
+        check_read_only_store(mnt, expected, caplog)
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_writes_failing_as_on_a_read_only_file_system(tmp_path, monkeypatch, caplog):
+    """Writable at construction, read-only from the first write on (a volume remounted read-only)."""
+    expected = prefill(tmp_path, range(3))
+    corrupt = tmp_path / "ns" / (key(2).hex() + ".kvb")
+    data = bytearray(corrupt.read_bytes())
+    data[len(data) // 2] ^= 1
+    corrupt.write_bytes(bytes(data))
+    del expected[2]
+
+    real_open, real_unlink = open, Path.unlink
+
+    def ro_open(file, mode="r", *args, **kwargs):
+        if any(c in mode for c in "wax+"):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    def ro_unlink(self, missing_ok=False):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+    monkeypatch.setattr("builtins.open", ro_open)
+    monkeypatch.setattr(Path, "unlink", ro_unlink)
+    store = PrefixStore(get_store_policy("default"), FMT, cpu_bytes=1 << 22, disk_path=tmp_path, namespace="ns")
+    try:
+        assert not store.read_only
+        assert store.lookup(key(2)) == "miss"  # a bad file is a miss even where it cannot be removed
+    finally:
+        store.close()
+    monkeypatch.setattr(Path, "unlink", real_unlink)
+    monkeypatch.setattr("builtins.open", real_open)
+    corrupt.unlink()
+
+    monkeypatch.setattr("builtins.open", ro_open)
+    monkeypatch.setattr(Path, "unlink", ro_unlink)
+    check_read_only_store(tmp_path, expected, caplog)
+
+
+def test_a_failing_file_write_never_leaves_a_block_pending(tmp_path, monkeypatch):
+    store = PrefixStore(get_store_policy("default"), FMT, cpu_bytes=1 << 22, disk_path=tmp_path, namespace="ns")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk driver fault")
+
+    monkeypatch.setattr(store, "_write_file", broken)
+    try:
+        store_blocks(store, [1])
+        assert store.lookup(key(1)) == "hit"  # in RAM
+        assert store.stats()["disk_errors"] == 1
+    finally:
+        store.close()
