@@ -138,3 +138,96 @@ def test_a_failing_file_write_never_leaves_a_block_pending(tmp_path, monkeypatch
         assert store.stats()["disk_errors"] == 1
     finally:
         store.close()
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.kvb"))
+
+
+def record_size() -> int:
+    return PrefixStore(get_store_policy("default"), FMT, cpu_bytes=1).record_bytes(0, 0)
+
+
+def test_a_block_hit_from_disk_is_promoted_to_ram_where_the_budget_has_room(tmp_path):
+    expected = prefill(tmp_path, range(2))
+    store = PrefixStore(get_store_policy("default"), FMT, cpu_bytes=1 << 22, disk_path=tmp_path, namespace="ns")
+    tight = PrefixStore(
+        get_store_policy("default"), FMT, cpu_bytes=record_size() - 1, disk_path=tmp_path, namespace="ns"
+    )
+    try:
+        for s in (store, tight):
+            for _ in range(2):  # the second hit reads RAM where the first was promoted
+                assert s.lookup(key(0)) == "hit"
+                s.pin([key(0)])
+                assert torch.equal(s.read(key(0)), expected[0])
+                s.unpin([key(0)])
+                s.maintain()
+        assert store.stats()["disk_hits"] == 1 and store.stats()["disk_promoted"] == 1
+        assert store.ram_bytes == record_size() and store.stats()["blocks"] == {"int4": 1}
+        assert tight.stats()["disk_hits"] == 2 and "disk_promoted" not in tight.stats()  # no room: read each time
+        assert tight.ram_bytes == 0
+    finally:
+        store.close()
+        tight.close()
+
+
+def test_disk_budget_removes_the_least_recently_used_files(tmp_path):
+    size = record_size()
+    budget = 5 * size + size // 2
+    store = PrefixStore(
+        get_store_policy("default"), FMT, cpu_bytes=1 << 22, disk_path=tmp_path, namespace="ns", disk_bytes=budget
+    )
+    folder = tmp_path / "ns"
+    try:
+        for i in range(5):
+            store_blocks(store, [i])
+            os.utime(store.path(key(i)), (1000 + i, 1000 + i))  # written in this order
+        store.close()
+        again = PrefixStore(
+            get_store_policy("default"), FMT, cpu_bytes=1 << 22, disk_path=tmp_path, namespace="ns", disk_bytes=budget
+        )
+        assert again.lookup(key(0)) == "hit"  # a hit from disk makes block 0 the most recently used file
+        for i in range(5, 8):
+            store_blocks(again, [i])
+            assert folder_bytes(folder) <= budget
+        names = {p.name for p in folder.glob("*.kvb")}
+        assert again.path(key(0)).name in names and again.path(key(1)).name not in names
+        assert again.path(key(7)).name in names
+        assert again.stats()["disk_evicted"] >= 3
+        again.maintain()
+        assert [again.lookup(key(i)) for i in (0, 1, 7)] == ["hit", "miss", "hit"]
+        again.close()
+    finally:
+        store.close()
+
+
+def test_disk_budget_holds_with_two_engines_sharing_the_folder(tmp_path):
+    size = record_size()
+    budget = 8 * size
+    a, b = (
+        PrefixStore(
+            get_store_policy("default"), FMT, cpu_bytes=1 << 22, disk_path=tmp_path, namespace="ns", disk_bytes=budget
+        )
+        for _ in range(2)
+    )
+    try:
+        worst = 0
+        for i in range(40):  # a writes 3 blocks for each of b's
+            store_blocks(b if i % 4 == 3 else a, [i])
+            worst = max(worst, folder_bytes(tmp_path / "ns"))
+        assert worst <= budget * (1 + 2 * 0.1) + 2 * size
+        assert a.stats().get("disk_evicted", 0) + b.stats().get("disk_evicted", 0) >= 40 - 8
+    finally:
+        a.close()
+        b.close()
+
+
+def test_disk_budget_validation():
+    from kvtier.vllm.config import StoreConfig
+
+    with pytest.raises(ValueError, match=r"disk_bytes=0 is not allowed"):
+        PrefixStore(get_store_policy("default"), FMT, cpu_bytes=1, disk_bytes=0)
+    with pytest.raises(ValueError, match=r"disk_bytes is not allowed without disk_path"):
+        StoreConfig("default", 1 << 20, None, 1 << 20)
+    cfg = StoreConfig("default", 1 << 20, "/tmp/kv", 1 << 30)
+    assert StoreConfig.from_extra(cfg.to_extra()) == cfg

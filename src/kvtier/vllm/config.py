@@ -30,11 +30,13 @@ class StoreConfig:
     policy : preset name (see :data:`kvtier.vllm.policy.POLICIES`) or a :class:`StorePolicy`.
     cpu_bytes : host RAM budget of the stored records (bytes, > 0).
     disk_path : folder for write-through block files that outlive the process, or None.
+    disk_bytes : budget of the block files in ``disk_path`` (least recently used removed), or None.
     """
 
     policy: str | StorePolicy = "default"
     cpu_bytes: int = 4 << 30
     disk_path: str | None = None
+    disk_bytes: int | None = None
 
     def __post_init__(self) -> None:
         get_store_policy(self.policy)
@@ -44,6 +46,13 @@ class StoreConfig:
             if not isinstance(self.disk_path, (str, os.PathLike)) or not str(self.disk_path):
                 raise ValueError(f"disk_path={self.disk_path!r} is not allowed: expected a folder path or None")
             object.__setattr__(self, "disk_path", os.fspath(self.disk_path))
+        if self.disk_bytes is not None:
+            if isinstance(self.disk_bytes, bool) or not isinstance(self.disk_bytes, int) or self.disk_bytes <= 0:
+                raise ValueError(
+                    f"disk_bytes={self.disk_bytes!r} is not allowed: expected an int > 0 (bytes of block files) or None"
+                )
+            if self.disk_path is None:
+                raise ValueError("disk_bytes is not allowed without disk_path: it bounds the block files there")
 
     @property
     def store_policy(self) -> StorePolicy:
@@ -61,6 +70,7 @@ class StoreConfig:
             _PREFIX + "policy": policy,
             _PREFIX + "cpu_bytes": self.cpu_bytes,
             _PREFIX + "disk_path": self.disk_path,
+            _PREFIX + "disk_bytes": self.disk_bytes,
         }
 
     @classmethod
@@ -71,7 +81,12 @@ class StoreConfig:
                 policy = StorePolicy(**policy)
             except TypeError as err:
                 raise ValueError(f"kvtier_policy={policy!r} is not allowed: {err}") from None
-        return cls(policy, extra.get(_PREFIX + "cpu_bytes", 4 << 30), extra.get(_PREFIX + "disk_path"))
+        return cls(
+            policy,
+            extra.get(_PREFIX + "cpu_bytes", 4 << 30),
+            extra.get(_PREFIX + "disk_path"),
+            extra.get(_PREFIX + "disk_bytes"),
+        )
 
 
 def kv_transfer_config(
@@ -79,6 +94,7 @@ def kv_transfer_config(
     cpu_bytes: int = 4 << 30,
     disk_path: str | os.PathLike | None = None,
     *,
+    disk_bytes: int | None = None,
     engine_id: str | None = None,
     as_json: bool = False,
 ) -> Any:
@@ -92,11 +108,13 @@ def kv_transfer_config(
     policy : ``"exact"``, ``"default"``, ``"chat"``, ``"compact"``, ``"code"``, or a StorePolicy.
     cpu_bytes : host RAM budget of the stored blocks.
     disk_path : folder for block files (a restart with the same folder hits), or None.
+    disk_bytes : budget of the block files in ``disk_path``, shared by the engines using the folder
+        (least recently used files removed), or None (no limit).
     engine_id : vLLM's engine id (a fresh one by default); names the store in this process.
     """
     if policy not in POLICIES and not isinstance(policy, StorePolicy):
         get_store_policy(policy)  # raises the one-line error
-    store = StoreConfig(policy, cpu_bytes, None if disk_path is None else os.fspath(disk_path))
+    store = StoreConfig(policy, cpu_bytes, None if disk_path is None else os.fspath(disk_path), disk_bytes)
     engine_id = engine_id or f"kvtier-{uuid.uuid4().hex[:12]}"
     fields = {
         "kv_connector": "OffloadingConnector",

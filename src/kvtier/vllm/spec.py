@@ -321,7 +321,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 )
                 namespace = "kvtier-" + hashlib.sha256(ident.encode()).hexdigest()[:16]
                 sc = self.store_config
-                store = PrefixStore(sc.store_policy, fmt, sc.cpu_bytes, sc.disk_path, namespace)
+                store = PrefixStore(sc.store_policy, fmt, sc.cpu_bytes, sc.disk_path, namespace, sc.disk_bytes)
                 _STORES[config.engine_id] = store
         return store
 

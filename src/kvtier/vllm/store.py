@@ -11,9 +11,11 @@ With ``disk_path`` every stored block is also written through to a file of its o
 (``<namespace>/<key hex>.kvb``, written to a temporary name and renamed, so a reader sees a whole
 file or none), so a new process with the same ``disk_path`` hits. A block only on disk is read
 and fully checked (header, length, crc32) at :meth:`PrefixStore.lookup`, and its checked bytes
-are held in RAM until the load that pinned them completes: a missing, truncated or corrupted file
+stay in RAM (promoted, counted in ``cpu_bytes``, where the budget has room; otherwise held until
+the load that pinned them completes): a missing, truncated or corrupted file
 is a miss at lookup (and the file is removed), never a failed load, because vLLM's offloading
-worker cannot report a failed load after lookup said hit. A folder that cannot be written (a
+worker cannot report a failed load after lookup said hit. ``disk_bytes`` bounds the folder
+(least recently used files removed; safe with several engines sharing it). A folder that cannot be written (a
 read-only, pre-filled volume; found at construction or at the first failed write) serves the
 blocks it holds, keeps new blocks in RAM only and removes nothing, said once in the log; a block
 whose store fails is never left pending (the scheduler would wait on it).
@@ -49,6 +51,7 @@ from .policy import StorePolicy
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".kvb"
+DISK_LOW_WATER = 0.9  # a trim of the block files goes down to this share of ``disk_bytes``
 
 
 @dataclass(eq=False)
@@ -74,6 +77,13 @@ class PrefixStore:
     cpu_bytes : budget of the records held in host RAM.
     disk_path : folder for block files (created); ``None`` keeps blocks in RAM only.
     namespace : subfolder of ``disk_path``: records of another model or policy never mix.
+    disk_bytes : budget of the namespace's block files, shared by every engine that uses the
+        folder, or None (no limit). When this engine's count of the folder passes it, the folder is
+        read again (also after every ``1 - DISK_LOW_WATER`` of the budget it wrote) and its least
+        recently used files (by modification time: written, last hit from disk, or last left RAM)
+        are removed down to :data:`DISK_LOW_WATER` of the budget. One engine keeps the folder within
+        the budget; ``n`` engines writing one folder keep it under ``1 + n * (1 - DISK_LOW_WATER)``
+        times the budget plus a record each.
     """
 
     def __init__(
@@ -83,9 +93,16 @@ class PrefixStore:
         cpu_bytes: int,
         disk_path: str | os.PathLike | None = None,
         namespace: str = "blocks",
+        disk_bytes: int | None = None,
     ):
         if isinstance(cpu_bytes, bool) or not isinstance(cpu_bytes, int) or cpu_bytes < 0:
             raise ValueError(f"cpu_bytes={cpu_bytes!r} is not allowed: expected an int >= 0")
+        if disk_bytes is not None and (
+            isinstance(disk_bytes, bool) or not isinstance(disk_bytes, int) or disk_bytes <= 0
+        ):
+            raise ValueError(
+                f"disk_bytes={disk_bytes!r} is not allowed: expected an int > 0 (bytes of block files) or None"
+            )
         self.policy = policy
         self.fmt = fmt
         self.cpu_bytes = cpu_bytes
@@ -106,6 +123,9 @@ class PrefixStore:
                 "kvtier: block folder %s is read-only: the blocks it holds are served, new blocks are kept in RAM only",
                 self.dir,
             )
+        self.disk_bytes = disk_bytes
+        self._disk_used = self._scan_disk()[0] if disk_bytes is not None and self.dir is not None else 0
+        self._since_scan = 0
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self._ram = 0
         self._lock = threading.RLock()
@@ -204,7 +224,7 @@ class PrefixStore:
 
     def _write_file(self, key: bytes, record: torch.Tensor) -> bool:
         """Write a block file (temporary name, then rename); False, counted and said, when it fails."""
-        if self.read_only:
+        if self.read_only or (self.disk_bytes is not None and record.numel() > self.disk_bytes):
             return False
         path = self.path(key)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -221,7 +241,65 @@ class PrefixStore:
             return False
         self.counters["disk_writes"] += 1
         self.counters["disk_bytes_written"] += record.numel()
+        if self.disk_bytes is not None:
+            self._disk_used += record.numel()
+            self._since_scan += record.numel()
+            # other engines write the folder too: read it again every (1 - DISK_LOW_WATER) of the budget
+            if self._disk_used > self.disk_bytes or self._since_scan > (1 - DISK_LOW_WATER) * self.disk_bytes:
+                self._trim_disk()
         return True
+
+    def _scan_disk(self) -> tuple[int, list[tuple[float, int, Path]]]:
+        """Bytes of the namespace's block files (every engine's) and ``(mtime, size, path)`` of each."""
+        files = []
+        total = 0
+        assert self.dir is not None
+        try:
+            entries = list(os.scandir(self.dir))
+        except OSError:
+            return 0, []
+        for entry in entries:
+            if not entry.name.endswith(SUFFIX) or entry.name.startswith("."):
+                continue
+            try:
+                st = entry.stat()
+            except OSError:  # removed meanwhile (another engine's trim)
+                continue
+            files.append((st.st_mtime, st.st_size, Path(entry.path)))
+            total += st.st_size
+        return total, files
+
+    def _trim_disk(self) -> None:
+        """Read the folder; over ``disk_bytes``, remove the least recently used block files down to
+        DISK_LOW_WATER of it (worker thread)."""
+        assert self.disk_bytes is not None
+        total, files = self._scan_disk()
+        self._since_scan = 0
+        target = int(self.disk_bytes * DISK_LOW_WATER) if total > self.disk_bytes else total
+        gone = []
+        for _, size, path in sorted(files, key=lambda f: (f[0], f[2].name)):
+            if total <= target:
+                break
+            if self._unlink(path):
+                total -= size
+                gone.append(path)
+                self.counters["disk_evicted"] += 1
+        self._disk_used = total
+        if gone:
+            with self._lock:  # a block whose file is gone is evicted, not dropped to disk, when it leaves RAM
+                for path in gone:
+                    e = self._entries.get(bytes.fromhex(path.name[: -len(SUFFIX)]))
+                    if e is not None and e.record is not None:
+                        e.on_disk = False
+
+    def _touch_file(self, key: bytes) -> None:
+        """Mark a block file as recently used (the disk budget's LRU order)."""
+        if self.disk_bytes is None or self.read_only:
+            return
+        try:
+            os.utime(self.path(key))
+        except OSError:
+            pass  # removed by a trim: a later lookup is a miss
 
     # --- scheduler side ---------------------------------------------------------------------
     def lookup(self, key: bytes) -> str:
@@ -247,8 +325,16 @@ class PrefixStore:
             sink = self.codec.info(record)[2]
             if e is None:
                 e = self._entries[key] = _Entry(level=0, sink=sink, budget=0, ready=True, busy=False, on_disk=True)
-                self._entries.move_to_end(key, last=False)  # disk-only blocks are the coldest
-            e.record, e.transient, e.level = record, True, self._level_of(record)
+            e.record, e.level = record, self._level_of(record)
+            if self._ram + record.numel() <= self.cpu_bytes:  # promoted: the next hit reads RAM
+                e.transient, e.budget = False, record.numel()
+                self._ram += e.budget
+                self._entries.move_to_end(key)
+                self.counters["disk_promoted"] += 1
+            else:  # held for the load that pins it, then dropped; disk-only blocks are the coldest
+                e.transient = True
+                self._entries.move_to_end(key, last=False)
+            self._touch_file(key)
             self.counters["lookup_hits"] += 1
             self.counters["disk_hits"] += 1
             return "hit"
@@ -357,6 +443,7 @@ class PrefixStore:
             if e.on_disk:
                 self._ram -= e.budget
                 e.record, e.budget = None, 0
+                self._touch_file(key)
                 self.counters["to_disk"] += 1
             else:
                 self._remove(key)
