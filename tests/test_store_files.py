@@ -231,3 +231,20 @@ def test_disk_budget_validation():
         StoreConfig("default", 1 << 20, None, 1 << 20)
     cfg = StoreConfig("default", 1 << 20, "/tmp/kv", 1 << 30)
     assert StoreConfig.from_extra(cfg.to_extra()) == cfg
+
+
+def test_describe_says_codecs_capacity_and_the_folder(tmp_path):
+    prefill(tmp_path, range(3))
+    store = PrefixStore(
+        get_store_policy("default"), FMT, cpu_bytes=1 << 20, disk_path=tmp_path, namespace="ns", disk_bytes=1 << 30
+    )
+    try:
+        line = store.describe()
+        ratio = store.record_bytes(0, 0) / FMT.exact_bytes
+        assert "\n" not in line and "kvtier " in line
+        assert f"4-bit ({ratio:.3f} of bfloat16), stepping down to 3-bit rotated" in line
+        assert f"holds {(1 << 20) // store.record_bytes(0, 0) * FMT.tokens:,} tokens" in line
+        assert "3 blocks found" in line and "budget 1.00 GiB" in line
+    finally:
+        store.close()
+    assert PrefixStore(get_store_policy("exact"), FMT, cpu_bytes=1 << 20).describe().endswith("; no disk")

@@ -323,6 +323,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 sc = self.store_config
                 store = PrefixStore(sc.store_policy, fmt, sc.cpu_bytes, sc.disk_path, namespace, sc.disk_bytes)
                 _STORES[config.engine_id] = store
+                logger.info("%s", store.describe())
         return store
 
     def get_manager(self) -> OffloadingManager:

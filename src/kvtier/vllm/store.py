@@ -163,6 +163,32 @@ class PrefixStore:
                 "exact_block_bytes": self.fmt.exact_bytes,
             }
 
+    def describe(self) -> str:
+        """One line for the engine's start: codecs and their bytes vs the exact block, what RAM
+        holds, the folder (blocks found, budget, read-only)."""
+        from .. import __version__
+
+        exact = self.fmt.exact_bytes
+        dtype = str(self.fmt.dtype).removeprefix("torch.")
+        steps = []
+        for i, (bits, rotate, _) in enumerate(self.levels):
+            name = "exact" if bits is None else f"{bits}-bit" + (" rotated" if rotate else "")
+            steps.append(f"{name} ({self.record_bytes(i, 0) / exact:.3f} of {dtype})")
+        first = self.record_bytes(0, 0)
+        tokens = self.cpu_bytes // first * self.fmt.tokens
+        line = (
+            f"kvtier {__version__} prefix store: blocks of {self.fmt.tokens} tokens stored "
+            + ", stepping down to ".join(steps)
+            + f", {self.policy.sink_tokens} sink tokens exact; RAM {self.cpu_bytes / (1 << 30):.2f} GiB holds "
+            f"{tokens:,} tokens ({tokens / max(1, self.cpu_bytes // exact * self.fmt.tokens):.2f}x {dtype})"
+        )
+        if self.dir is None:
+            return line + "; no disk"
+        found, files = self._scan_disk()
+        budget = "no budget" if self.disk_bytes is None else f"budget {self.disk_bytes / (1 << 30):.2f} GiB"
+        state = ", read-only" if self.read_only else ""
+        return line + f"; disk {self.dir}: {len(files):,} blocks found ({found / (1 << 30):.2f} GiB), {budget}{state}"
+
     # --- worker thread ----------------------------------------------------------------------
     def submit(self, fn, *args) -> Future:  # noqa: ANN001
         """Run ``fn(*args)`` on the store's worker thread (in submission order)."""
