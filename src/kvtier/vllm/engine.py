@@ -37,9 +37,8 @@ def engine_kwargs(policy: str | PagePolicy = "default", *, max_num_seqs: int | N
 
     ``block_size`` is the policy's page; ``max_num_seqs`` (default: the policy's ``side_slots``,
     else vLLM's default) bounds the requests running at once, each holding one exact partly
-    filled block in the side buffer. (``vllm serve`` has the same flags, ``--block-size``,
-    ``--max-num-seqs``, ``--additional-config``, but its engine core runs in a spawned process
-    that this process's registration does not reach: not supported yet.)
+    filled block in the side buffer. For ``vllm serve`` and engines in processes of their own,
+    :func:`serve_args` gives the same settings as flags; kvtier's plugin picks the backend there.
     """
     p = get_page_policy(policy)
     out: dict[str, Any] = {"additional_config": {CONFIG_KEY: policy_name(p)}, "block_size": p.block_size}
