@@ -311,3 +311,35 @@ def test_import_kvtier_vllm_pulls_no_transformers_adapter():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_store_under_multiprocessing_is_refused_when_the_engine_is_built(tmp_path):
+    """vLLM's default multiprocessing on the CPU platform puts the worker in a process of its own,
+    which the store does not support: the engine must not build (it used to build and die at its
+    first request)."""
+    import os
+    import subprocess
+    import sys
+
+    from kvtier.models import model_dir
+
+    script = (
+        "import sys\n"
+        "from vllm import LLM\n"
+        "from kvtier.vllm import kv_transfer_config\n"
+        "if __name__ == '__main__':\n"
+        "    try:\n"
+        f"        LLM(model={str(model_dir())!r}, dtype='bfloat16', max_model_len=1024, enforce_eager=True,\n"
+        "            kv_transfer_config=kv_transfer_config('default', cpu_bytes=1 << 26))\n"
+        "    except Exception as err:\n"
+        "        print('BUILD FAILED', type(err).__name__)\n"
+        "        sys.exit(3)\n"
+        "    print('BUILT')\n"
+    )
+    path = tmp_path / "mp_engine.py"
+    path.write_text(script)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=600, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3 and "BUILD FAILED" in proc.stdout, out[-3000:]
+    assert "set VLLM_ENABLE_V1_MULTIPROCESSING=0" in out, out[-3000:]

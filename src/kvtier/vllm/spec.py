@@ -284,6 +284,31 @@ def _block_format(config: OffloadingConfig) -> BlockFormat:
     return fmt
 
 
+def _require_one_process() -> None:
+    """Refuse, where vLLM builds the engine, an executor that puts the worker in a process of its own.
+
+    The store's scheduler side and its worker side share one :class:`PrefixStore` object, so they
+    must run in one process (vLLM's ``uni`` executor). vLLM's CPU platform turns ``uni`` into ``mp``
+    unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; without this check the engine built and died at its
+    first request.
+    """
+    from vllm import envs
+    from vllm.config import get_current_vllm_config_or_none
+    from vllm.platforms import current_platform
+
+    vllm_config = get_current_vllm_config_or_none()
+    backend = None if vllm_config is None else vllm_config.parallel_config.distributed_executor_backend
+    if backend is None or backend == "uni":
+        cpu_mp = current_platform.is_cpu() and envs.VLLM_ENABLE_V1_MULTIPROCESSING
+        backend = "mp" if cpu_mp else backend
+    if backend not in (None, "uni"):
+        raise KVTierError(
+            f"kvtier's prefix store needs vLLM's worker in the scheduler's process (executor 'uni'), this engine's "
+            f"executor is {backend!r}: set VLLM_ENABLE_V1_MULTIPROCESSING=0 (the CPU platform's default "
+            "multiprocessing moves the worker into a process of its own, which the store does not support yet)"
+        )
+
+
 class KVTierOffloadingSpec(OffloadingSpec):
     """The spec named by :func:`kvtier.vllm.kv_transfer_config` (``spec_name``/``spec_module_path``).
 
@@ -306,6 +331,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 f"kvtier's prefix store runs with one worker (tensor/pipeline parallel size 1), got world size "
                 f"{config.parallel.world_size}"
             )
+        _require_one_process()
         self._manager: KVTierManager | None = None
         self._worker: KVTierWorker | None = None
 
