@@ -25,7 +25,7 @@ def disk(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def engine(model_path, disk):
     cfg = kv_transfer_config("default", cpu_bytes=CPU_BYTES, disk_path=disk)
-    llm = make_llm(model_path, cfg)
+    llm = make_llm(model_path, cfg, disable_log_stats=False)  # kvtier's series in vLLM's metrics
     yield llm, engine_store(cfg.engine_id)
     close_llm(llm)
 
@@ -65,3 +65,16 @@ def test_overfilling_ram_steps_down_and_recent_prefixes_still_hit(engine, book_i
     llm.reset_prefix_cache()
     outs = generate(llm, [prefixes[-1] + [17], book_ids[1000 : 1000 + PREFIX] + [17]], 2)
     assert [cached for _, cached in outs] == [12 * BLOCK, PREFIX]  # RAM (recent) and disk (oldest) both hit
+
+
+def test_kvtier_series_in_vllms_metrics(engine):
+    """The store's counters reach vLLM's Prometheus registry (what the server's /metrics serves)."""
+    llm, store = engine
+    st = store.stats()
+    metrics = {m.name: m for m in llm.get_metrics() if m.name.startswith("vllm:kvtier_")}
+    assert {"vllm:kvtier_store_blocks_stored", "vllm:kvtier_store_lookup_hits", "vllm:kvtier_store_ram_bytes"} <= set(
+        metrics
+    ), metrics
+    assert metrics["vllm:kvtier_store_blocks_stored"].value == st["stored"] > 0
+    assert metrics["vllm:kvtier_store_lookup_hits"].value > 0
+    assert metrics["vllm:kvtier_store_step_downs"].value == st["step_downs"] > 0

@@ -343,3 +343,29 @@ def test_store_under_multiprocessing_is_refused_when_the_engine_is_built(tmp_pat
     out = proc.stdout + proc.stderr
     assert proc.returncode == 3 and "BUILD FAILED" in proc.stdout, out[-3000:]
     assert "set VLLM_ENABLE_V1_MULTIPROCESSING=0" in out, out[-3000:]
+
+
+def test_manager_reports_the_stores_counters_as_vllm_metrics():
+    from kvtier.vllm.spec import _STORES, STORE_COUNTERS, KVTierManager, KVTierOffloadingSpec
+
+    defined = KVTierOffloadingSpec.build_metric_definitions({})
+    assert {name for name, _ in STORE_COUNTERS.values()} <= set(defined) and "vllm:kvtier_store_ram_bytes" in defined
+    store = PrefixStore(get_store_policy("default"), SMALL, cpu_bytes=1 << 20)
+    _STORES["metrics-test"] = store
+    try:
+        manager = KVTierManager("metrics-test", SMALL.tokens)
+        for k in store.reserve([key(1), key(2)], [0, 0]):
+            store.put(k, block(SMALL, 1))
+        store.lookup(key(1))
+        store.lookup(key(3))
+        first = manager.get_stats().reduce()
+        assert first["vllm:kvtier_store_blocks_stored"] == 2 and first["vllm:kvtier_store_lookup_hits"] == 1
+        assert first["vllm:kvtier_store_lookup_misses"] == 1 and first["vllm:kvtier_store_encode_seconds"] > 0
+        assert first["vllm:kvtier_store_ram_bytes"] == store.ram_bytes > 0
+        assert set(first) <= set(defined)
+        store.lookup(key(2))
+        second = manager.get_stats().reduce()  # what happened since the last call only
+        assert second == {"vllm:kvtier_store_lookup_hits": 1, "vllm:kvtier_store_ram_bytes": store.ram_bytes}
+    finally:
+        _STORES.pop("metrics-test", None)
+        store.close()

@@ -14,7 +14,7 @@ BLOCK = 128
 PREFIX = 23 * BLOCK
 
 
-def make_llm(model_path: str, config):  # noqa: ANN001, ANN201
+def make_llm(model_path: str, config, **kwargs):  # noqa: ANN001, ANN201
     from vllm import LLM
 
     return LLM(
@@ -24,6 +24,7 @@ def make_llm(model_path: str, config):  # noqa: ANN001, ANN201
         enforce_eager=True,
         kv_transfer_config=config,
         seed=0,
+        **kwargs,
     )
 
 

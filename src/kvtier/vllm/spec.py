@@ -41,12 +41,16 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
     LookupResult,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
     OffloadingManager,
+    OffloadingMetricMetadata,
     OffloadingSpec,
     OffloadingWorker,
     OffloadKey,
@@ -68,6 +72,31 @@ logger = logging.getLogger(__name__)
 
 _LOOKUP = {"hit": LookupResult.HIT, "pending": LookupResult.HIT_PENDING, "miss": LookupResult.MISS}
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+#: store counter -> (vLLM metric name, documentation): kvtier's series in vLLM's stats log and in
+#: the server's ``/metrics`` (counters; ``*_ns`` counters are reported in seconds)
+STORE_COUNTERS: dict[str, tuple[str, str]] = {
+    "lookup_hits": ("vllm:kvtier_store_lookup_hits", "Blocks kvtier's prefix store reported as hits at lookup."),
+    "lookup_misses": ("vllm:kvtier_store_lookup_misses", "Blocks kvtier's prefix store reported as misses at lookup."),
+    "disk_hits": ("vllm:kvtier_store_disk_hits", "Hits read from block files (then kept in RAM where it has room)."),
+    "disk_promoted": ("vllm:kvtier_store_disk_promoted", "Blocks hit from disk and kept in RAM."),
+    "stored": ("vllm:kvtier_store_blocks_stored", "Blocks encoded into the store."),
+    "loaded": ("vllm:kvtier_store_blocks_loaded", "Blocks decoded from the store into vLLM's KV cache."),
+    "step_downs": ("vllm:kvtier_store_step_downs", "Blocks re-encoded to the colder codec under RAM pressure."),
+    "to_disk": ("vllm:kvtier_store_to_disk", "Blocks that left RAM for their block file."),
+    "evicted": ("vllm:kvtier_store_evicted", "Blocks dropped from the store."),
+    "store_refused": ("vllm:kvtier_store_refused", "Blocks not stored: larger than the RAM budget."),
+    "corrupt": ("vllm:kvtier_store_corrupt_files", "Block files that failed their checks (misses)."),
+    "disk_errors": ("vllm:kvtier_store_disk_errors", "Block file writes or removals that failed."),
+    "disk_evicted": ("vllm:kvtier_store_disk_evicted", "Block files removed by the disk budget."),
+    "disk_bytes_written": ("vllm:kvtier_store_disk_bytes_written", "Bytes written to block files."),
+    "store_ns": ("vllm:kvtier_store_encode_seconds", "Seconds spent encoding blocks (store thread)."),
+    "load_ns": ("vllm:kvtier_store_decode_seconds", "Seconds spent decoding blocks for loads."),
+}
+#: gauge name -> documentation
+STORE_GAUGES: dict[str, str] = {
+    "vllm:kvtier_store_ram_bytes": "Bytes of kvtier's prefix store counted against cpu_bytes.",
+}
 
 _STORES: dict[str, PrefixStore] = {}
 _STORES_LOCK = threading.Lock()
@@ -95,6 +124,7 @@ class KVTierManager(OffloadingManager):
         self.engine_id = engine_id
         self.tokens_per_block = tokens_per_block
         self._store: PrefixStore | None = None
+        self._reported: dict[str, int] = {}  # counters at the last get_stats
 
     @property
     def store(self) -> PrefixStore:
@@ -109,6 +139,21 @@ class KVTierManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         return _LOOKUP[self.store.lookup(key)]
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """The store's counters since the last call and its RAM bytes (vLLM's stats log and ``/metrics``)."""
+        store = self._store or engine_store(self.engine_id)
+        if store is None:
+            return None
+        counters = store.counter_snapshot()
+        stats = OffloadingConnectorStats()
+        for key, (name, _) in STORE_COUNTERS.items():
+            delta = counters.get(key, 0) - self._reported.get(key, 0)
+            if delta:
+                stats.increase_counter(name, delta / 1e9 if key.endswith("_ns") else delta)
+        self._reported = counters
+        stats.set_gauge("vllm:kvtier_store_ram_bytes", store.ram_bytes)
+        return stats
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST
@@ -316,6 +361,14 @@ class KVTierOffloadingSpec(OffloadingSpec):
     (it registers the KV caches at engine start, inside vLLM's config context, where the model's
     KV heads and head size are known); the scheduler's manager finds it by engine id at first use.
     """
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        out: dict[str, OffloadingMetricMetadata] = {
+            name: OffloadingCounterMetadata(documentation=doc) for name, doc in STORE_COUNTERS.values()
+        }
+        out.update({name: OffloadingGaugeMetadata(documentation=doc) for name, doc in STORE_GAUGES.items()})
+        return out
 
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)

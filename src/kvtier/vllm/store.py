@@ -143,6 +143,14 @@ class PrefixStore:
         """Bytes counted against ``cpu_bytes`` (records in RAM, stores in flight at their size)."""
         return self._ram
 
+    def counter_snapshot(self) -> dict[str, int]:
+        """A copy of :attr:`counters` (the store's thread may add a key meanwhile: copied again)."""
+        while True:
+            try:
+                return dict(self.counters)
+            except RuntimeError:  # dictionary changed size during iteration
+                continue
+
     def stats(self) -> dict[str, Any]:
         """Counters, bytes and blocks per level (a snapshot)."""
         with self._lock:
