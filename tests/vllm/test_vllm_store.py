@@ -9,7 +9,7 @@ import json  # noqa: E402
 
 import torch  # noqa: E402
 
-from kvtier.cache.codecs import KBitCodec  # noqa: E402
+from kvtier.codecs import KBitCodec  # noqa: E402
 from kvtier.vllm import (  # noqa: E402
     POLICIES,
     BlockCodec,

@@ -7,10 +7,10 @@ a fixed header (format, codec, sink tokens, payload length, crc32 of the payload
 payload. The same bytes live in host RAM and in a block file, so a record read back from disk is
 checked (header against the expected format, length, crc32) before anything trusts it.
 
-Codecs: ``bits=None`` keeps the exact bytes; otherwise :class:`kvtier.cache.codecs.KBitCodec`
+Codecs: ``bits=None`` keeps the exact bytes; otherwise :class:`kvtier.codecs.KBitCodec`
 (KIVI layout, optionally after the Hadamard rotation) over the whole block, with the first
 ``sink`` tokens of a sequence's first block also kept exact (and left out of the quantization
-statistics). May import torch, ``kvtier.cache.codecs``, ``kvtier.quant``, ``kvtier.errors``; never
+statistics). May import torch, ``kvtier.codecs``, ``kvtier.quant``, ``kvtier.errors``; never
 vLLM, transformers or ``kvtier.hf``.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.codecs import KBitCodec
+from ..codecs import KBitCodec
 from ..errors import KVTierError
 from ..quant import pack_bits, planes, rotation, unpack_bits
 from ..quant.groups import fit_scale_zero
