@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 
 from ..quant import rotation
+from ..quant.groups import SCALE_ROUND
 from .base import FP16_BYTES, check_params, token_valid
 
 #: fp8 e4m3 (OCP "fn": no infinities, max 448), the format of transformers' and vLLM's fp8 KV caches.
@@ -46,7 +47,7 @@ def quantize_fp8(x: torch.Tensor, dim: int, valid: torch.Tensor | None = None) -
     amax = xf.abs().amax(dim, keepdim=True)
     # fp16 scale rounded up, so that the largest entry stays within +-448 (never saturates); a scale
     # clamped at fp16's largest value (|x| beyond ~2.9e7) is refused by Fp8Codec (check_params).
-    scale = (amax / FP8_MAX * (1 + 2.0**-10)).clamp(FP8_SCALE_MIN, 65504.0).to(torch.float16)
+    scale = (amax / FP8_MAX * (1 + SCALE_ROUND)).clamp(FP8_SCALE_MIN, 65504.0).to(torch.float16)
     codes = (xf / scale.float()).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return codes.view(torch.uint8), scale
 
