@@ -563,8 +563,9 @@ def run_vllm_pages(sz: Sizes, device, timer: Timer) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
+    from kvtier.codecs.pages import PageFormat
     from kvtier.vllm.paged import attend_layer, attend_layer_triton
-    from kvtier.vllm.pages import PageFormat, PagePolicy
+    from kvtier.vllm.pages import PagePolicy
 
     T, C, R = sz.page_block, sz.page_context, sz.page_reqs
     policies = {
@@ -647,8 +648,9 @@ def _page_variants() -> list[tuple]:
     part 5, decode rows and a prefill chunk: (name, kernel, signature types, constants, warps)."""
     import torch
 
+    from kvtier.codecs.pages import PageFormat
     from kvtier.kernels import triton_pages as tp
-    from kvtier.vllm.pages import PageFormat, PagePolicy
+    from kvtier.vllm.pages import PagePolicy
 
     out = []
     for (H, Hq, D), policy, R in (

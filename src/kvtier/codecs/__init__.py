@@ -2,7 +2,8 @@
 
 Owns each block format's layout and constants: :mod:`.base` (the codec interface, the affine rule
 ``x = a * code + b`` and :data:`~.base.AFFINE_MODES`, the parameter range check), one module per
-codec (:mod:`.kbit`, :mod:`.sign`, :mod:`.mixed`, :mod:`.fp8`), :mod:`.registry` (what a policy
+codec (:mod:`.kbit`, :mod:`.sign`, :mod:`.mixed`, :mod:`.fp8`, and the vLLM page format
+:mod:`.pages`: layout, encode, decode), :mod:`.registry` (what a policy
 stores: :func:`~.registry.make_codecs`, the exact dtype, the value group) and :mod:`.constants` (the
 constants C++ reads, written into the generated ``codec_constants.h`` when a kernel is built; no
 kernel source restates them). Kernels (C++, Triton), tiers, the offload store, attention and the

@@ -1,4 +1,4 @@
-// One layer of one vLLM step over kvtier's packed pages (kvtier/vllm/pages.py), in two calls:
+// One layer of one vLLM step over kvtier's packed pages (kvtier/codecs/pages.py), in two calls:
 //
 // vllm_paged_attend: attention of each request's new tokens over its packed blocks (block table)
 //   and its exact tokens, read in place in the model dtype: the side buffer's rows of its partly
