@@ -215,7 +215,7 @@ def reference64(rows, fields, codec, dim, keep=None):
     """fp64 attention over a tier decoded from its stored codes and parameters."""
     import torch
 
-    from kvtier.cache.codecs import KBitCodec
+    from kvtier.codecs import KBitCodec
     from kvtier.quant import rotation, unpack_bits
 
     name = "k_codes" if isinstance(codec, KBitCodec) else "k_signs"
@@ -274,8 +274,8 @@ def run_checks(sz: Sizes, device) -> list[dict]:
     from kvtier.attention.plan import plan_for
     from kvtier.attention.reference import reference_attention
     from kvtier.attention.tiered import tiered_attention
-    from kvtier.cache.codecs import KBitCodec, SignCodec
-    from kvtier.cache.layer import TieredLayer
+    from kvtier.codecs import KBitCodec, SignCodec
+    from kvtier.hf.layer import TieredLayer
     from kvtier.kernels import dispatch
 
     B, H, R, n, T, D = sz.check_batch, sz.check_heads, sz.check_gqa, sz.check_blocks, sz.block, sz.head_dim
@@ -346,7 +346,7 @@ def run_bandwidth(sz: Sizes, device, timer: Timer, peak: float) -> list[dict]:
     import torch
 
     from kvtier.attention.partials import to_rows
-    from kvtier.cache.codecs import KBitCodec, SignCodec
+    from kvtier.codecs import KBitCodec, SignCodec
     from kvtier.kernels import dispatch
     from kvtier.kernels import triton_decode as td
 
@@ -391,7 +391,7 @@ def run_decode_step(sz: Sizes, device, timer: Timer) -> list[dict]:
     from kvtier import TierPolicy
     from kvtier.attention.partials import Partial, merge, to_rows
     from kvtier.attention.tiered import tiered_attention
-    from kvtier.cache.layer import TieredLayer
+    from kvtier.hf.layer import TieredLayer
     from kvtier.kernels import dispatch
 
     H, D = sz.step_heads, sz.head_dim
@@ -563,8 +563,9 @@ def run_vllm_pages(sz: Sizes, device, timer: Timer) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
+    from kvtier.codecs.pages import PageFormat
     from kvtier.vllm.paged import attend_layer, attend_layer_triton
-    from kvtier.vllm.pages import PageFormat, PagePolicy
+    from kvtier.vllm.pages import PagePolicy
 
     T, C, R = sz.page_block, sz.page_context, sz.page_reqs
     policies = {
@@ -647,8 +648,9 @@ def _page_variants() -> list[tuple]:
     part 5, decode rows and a prefill chunk: (name, kernel, signature types, constants, warps)."""
     import torch
 
+    from kvtier.codecs.pages import PageFormat
     from kvtier.kernels import triton_pages as tp
-    from kvtier.vllm.pages import PageFormat, PagePolicy
+    from kvtier.vllm.pages import PagePolicy
 
     out = []
     for (H, Hq, D), policy, R in (

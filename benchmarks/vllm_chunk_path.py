@@ -24,9 +24,10 @@ H, HQ, D, T = 3, 9, 64, 128
 
 
 def case(chunk: int, context: int, rounds: int, iters: int = 50) -> dict:
+    from kvtier.codecs.pages import PageFormat
     from kvtier.vllm import paged
     from kvtier.vllm.paged import SideBuffer, attend_layer_fused, plan_step
-    from kvtier.vllm.pages import PageFormat, PagePolicy
+    from kvtier.vllm.pages import PagePolicy
     from kvtier.vllm.prefill import VllmPrefill
 
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 
 SmolLM2-135M (fp32, transformers, 2 threads) reads each book in chunks of 256 tokens (teacher
 forcing, a ``DynamicCache``); after every chunk, each full 128-token block of every layer is replaced
-once by its :class:`kvtier.vllm.pages.PageFormat` round trip (values in the rotated basis when the
+once by its :class:`kvtier.codecs.pages.PageFormat` round trip (values in the rotated basis when the
 policy has ``value_rotation``), so later chunks attend packed blocks and exact recent rows, as in
 a vLLM engine with chunked prefill of 256. Reported per policy: bytes per head and token in the
 pool and the ratio to bf16, the next-64 NLL after a 3k prefix and the 4k perplexity, as deltas from
@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
+from kvtier.codecs.pages import PageFormat
 from kvtier.quant.rotation import rotation
-from kvtier.vllm.pages import PAGE_POLICIES, PageFormat, PagePolicy
+from kvtier.vllm.pages import PAGE_POLICIES, PagePolicy
 
 #: candidates besides the presets (names for the command line)
 CANDIDATES = {

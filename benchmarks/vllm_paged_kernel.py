@@ -34,9 +34,10 @@ def case(reqs: int, length: int, iters: int, rounds: int, levels: tuple[float, .
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+    from kvtier.codecs.pages import PageFormat
     from kvtier.quant.rotation import rotation
     from kvtier.vllm.paged import SideBuffer, attend_layer_fused, plan_step
-    from kvtier.vllm.pages import PageFormat, PagePolicy, get_page_policy
+    from kvtier.vllm.pages import PagePolicy, get_page_policy
 
     torch.manual_seed(0)
     fmt = PageFormat(PagePolicy(block_size=T), H, D, torch.bfloat16)

@@ -44,7 +44,8 @@ def case(chunk: int, context: int, rounds: int) -> dict:
     outs = {"kvtier": out}
     refs = {}
     if context and context % T == 0:  # the context from packed pages, read in place / decoded
-        from kvtier.vllm.pages import PageFormat, PagePolicy
+        from kvtier.codecs.pages import PageFormat
+        from kvtier.vllm.pages import PagePolicy
         from kvtier.vllm.prefill import decode_rows
 
         fmt = PageFormat(PagePolicy(block_size=T), H, D, torch.bfloat16)

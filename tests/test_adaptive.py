@@ -15,7 +15,7 @@ from kvtier import AdaptivePolicy, TierPolicy, get_policy
 from kvtier.attention.backends.cpu import CpuBackend
 from kvtier.attention.partials import exact_partial, merge, packed_partial
 from kvtier.cache.adaptive import allocate
-from kvtier.cache.codecs import MixedCodec, make_codecs
+from kvtier.codecs import MixedCodec, make_codecs
 from kvtier.quant import quantize_ab
 
 FP8 = torch.float8_e4m3fn

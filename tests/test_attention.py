@@ -15,7 +15,7 @@ from kvtier.attention.mask import KVMask
 from kvtier.attention.partials import Partial, merge
 from kvtier.attention.reference import reference_attention
 from kvtier.attention.tiered import tiered_attention
-from kvtier.cache.layer import TieredLayer
+from kvtier.hf.layer import TieredLayer
 from kvtier.policy import SparsePolicy
 
 

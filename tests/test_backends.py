@@ -23,7 +23,7 @@ from kvtier.attention import plan as plan_mod
 from kvtier.attention.mask import KVMask
 from kvtier.attention.reference import reference_attention
 from kvtier.attention.tiered import tiered_attention
-from kvtier.cache.layer import TieredLayer
+from kvtier.hf.layer import TieredLayer
 from kvtier.policy import OffloadPolicy, SparsePolicy
 
 BACKENDS = ["torch", "cpu", "fused", "triton"]

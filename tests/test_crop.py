@@ -14,8 +14,8 @@ from transformers import DynamicCache
 
 import kvtier
 from conftest import tiny_llama
-from kvtier.cache.layer import TieredLayer
 from kvtier.errors import KVTierError
+from kvtier.hf.layer import TieredLayer
 
 LAYER_PRESETS = ["exact", "default", "chat", "kivi2", "fp8", "sink-window", "offload-cpu", "adaptive"]
 

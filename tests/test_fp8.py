@@ -9,7 +9,7 @@ import torch
 import kvtier
 from conftest import ADAPTER_ERROR
 from kvtier import TierPolicy, get_policy
-from kvtier.cache.codecs import FP8, FP8_MAX, Fp8Codec, KBitCodec, make_codecs
+from kvtier.codecs import FP8, FP8_MAX, Fp8Codec, KBitCodec, make_codecs
 from kvtier.sizing import ModelShape, estimate
 
 # Every finite e4m3 value, ascending (the oracle rounds to the nearest of them in float64).

@@ -148,14 +148,60 @@ def test_no_import_cycles():
     assert not cycles, "import cycles in src/kvtier:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
-def test_storage_never_imports_attention_or_the_adapter():
-    graph = import_graph()
-    storage = [
-        m for m in graph if m.startswith(("kvtier.offload.", "kvtier.cache.")) and m != "kvtier.offload.attention"
+#: kvtier's layers, lowest first (DESIGN.md, CONTRIBUTING.md): an import may point to its own layer or
+#: a lower one, never up. Each entry is a module or package (with everything under it); ``kvtier`` alone
+#: is the top-level package's ``__init__`` (the lazy ``kvtier.TieredCache`` names), not all of kvtier.
+LAYERS = [
+    ["kvtier.errors", "kvtier.stats", "kvtier.indexing", "kvtier.testing"],  # leaf modules
+    ["kvtier.policy"],
+    ["kvtier.quant"],
+    ["kvtier.codecs"],
+    ["kvtier.kernels"],
+    ["kvtier.offload"],  # storage: block store, records, sketches, the offloaded tier, prefetch
+    ["kvtier.cache"],  # tiers and the per-layer state machine (drives the offloaded tier)
+    ["kvtier.attention"],  # incl. attention over offloaded blocks
+    ["kvtier.sizing", "kvtier.diagnostics"],
+    ["kvtier.hf", "kvtier.vllm", "kvtier.adapters", "kvtier"],  # the adapters and the names forwarded to hf
+    ["kvtier.eval", "kvtier.cli", "kvtier.doctor", "kvtier.models"],
+]
+
+
+def layer_of(module: str) -> int | None:
+    """Index in :data:`LAYERS` of the longest entry that is ``module`` or a package above it."""
+    best = None
+    for i, entries in enumerate(LAYERS):
+        for entry in entries:
+            inside = module == entry or (entry != "kvtier" and module.startswith(entry + "."))
+            if inside and (best is None or len(entry) > len(best[1])):
+                best = (i, entry)
+    return None if best is None else best[0]
+
+
+def upward_imports(graph: dict[str, list[str]]) -> list[str]:
+    """``"a (layer i) -> b (layer j)"`` for every import from a lower layer ``i`` to a higher ``j``."""
+    return [
+        f"{m} (layer {layer_of(m)}) -> {t} (layer {layer_of(t)})"
+        for m in sorted(graph)
+        for t in graph[m]
+        if layer_of(t) > layer_of(m)
     ]
-    storage = [m for m in storage if m not in ("kvtier.cache.layer", "kvtier.cache.tiered")]  # adapter aliases
-    bad = {m: [t for t in graph[m] if t.startswith(("kvtier.attention", "kvtier.hf"))] for m in storage}
-    assert not {m: t for m, t in bad.items() if t}
+
+
+def test_every_module_has_a_layer():
+    entries = [e for layer in LAYERS for e in layer]
+    assert len(entries) == len(set(entries)), "a module or package is named in two layers"
+    missing = [m for m in import_graph() if layer_of(m) is None]
+    assert not missing, f"modules in no layer of LAYERS (add them where their imports allow): {missing}"
+
+
+def test_imports_point_down_the_layers():
+    assert layer_of("kvtier.codecs.kbit") == layer_of("kvtier.codecs") < layer_of("kvtier.kernels.build")
+    assert layer_of("kvtier") == layer_of("kvtier.hf") < layer_of("kvtier.eval.results")
+    assert upward_imports({"kvtier.quant": ["kvtier.policy"], "kvtier.policy": ["kvtier.quant.bits"]}) == [
+        "kvtier.policy (layer 1) -> kvtier.quant.bits (layer 2)"
+    ]
+    up = upward_imports(import_graph())
+    assert not up, f"{len(up)} imports from a lower layer to a higher one:\n" + "\n".join(up)
 
 
 # A meta path finder that makes ``transformers`` (and its submodules) impossible to import.
@@ -178,11 +224,11 @@ CORE = textwrap.dedent(
     import kvtier
     kvtier.TierPolicy()
     kvtier.get_policy("default")
-    import kvtier.sizing, kvtier.cache.tiers, kvtier.cache.codecs, kvtier.cache.state, kvtier.offload.store
+    import kvtier.sizing, kvtier.cache.tiers, kvtier.codecs, kvtier.cache.state, kvtier.offload.store
     import kvtier.offload.tier, kvtier.kernels.cpu, kvtier.quant, kvtier.attention.tiered, kvtier.diagnostics
     import kvtier.cli
     assert kvtier.cli.main(["plan", "--model", "llama-2-13b", "--seq-len", "32768", "--json"]) == 0
-    for owner, name in ((kvtier, "TieredCache"), (kvtier, "enable"), (kvtier.cache, "TieredLayer")):
+    for owner, name in ((kvtier, "TieredCache"), (kvtier, "enable"), (kvtier, "TieredLayer")):
         try:
             getattr(owner, name)
         except ImportError as err:

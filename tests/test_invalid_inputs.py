@@ -72,7 +72,7 @@ def layer_calls(*states: tuple, policy: str = "default") -> Callable[[Path], obj
     ``(k, v)`` pair of tensors; the last one must raise."""
 
     def run(_: Path) -> None:
-        from kvtier.cache.layer import TieredLayer
+        from kvtier.hf.layer import TieredLayer
 
         layer = TieredLayer(get_policy(policy))
         for st in states:

@@ -85,10 +85,14 @@ def test_no_python_file_holds_a_cpp_kernel():
 
 
 def test_every_csrc_file_is_used_and_every_kernel_file_exists():
+    from kvtier.kernels import build
+
     built = sorted(f for name in KERNELS for f in _build_load_files(PKG / "kernels" / f"{name}.py"))
     assert built == sorted(p.name for p in CSRC.glob("*.cpp"))
     included = {m for p in CSRC.glob("*.cpp") for m in _LOCAL_INCLUDE.findall(p.read_text(encoding="utf-8"))}
-    assert included == {p.name for p in CSRC.glob("*.h")}
+    generated = set(build.generated())
+    assert not any((CSRC / name).exists() for name in generated), "a generated header is written from Python only"
+    assert included == {p.name for p in CSRC.glob("*.h")} | generated
 
 
 @pytest.mark.parametrize("filename", sorted(p.name for p in CSRC.glob("*.cpp")))
@@ -97,9 +101,10 @@ def test_the_compiled_text_has_its_csrc_includes_in_place(filename):
 
     text = build.source(filename)
     assert not _LOCAL_INCLUDE.search(text)
+    generated = build.generated()
     for header in _LOCAL_INCLUDE.findall((CSRC / filename).read_text(encoding="utf-8")):
-        body = (CSRC / header).read_text(encoding="utf-8").rstrip("\n")
-        assert text.count(body) == 1
+        body = generated[header]() if header in generated else (CSRC / header).read_text(encoding="utf-8")
+        assert text.count(body.rstrip("\n")) == 1
     # nothing in it depends on where the package is installed (one cached build for every install)
     assert str(ROOT) not in text
 
@@ -221,3 +226,113 @@ def test_a_left_over_build_lock_is_named_before_torch_waits_on_it(tmp_path, monk
     (tmp_path / "kvtier_demo_v1" / "lock").touch()
     notice = build.lock_notice("kvtier_demo_v1")
     assert notice and str(tmp_path / "kvtier_demo_v1" / "lock") in notice and "delete it" in notice
+
+
+# --- one owner per constant: the codec constants come from Python, never as literals in C++ or Triton ---
+
+#: A C or C++ floating literal: hex (``0x1p-20f``) or decimal with a point or an exponent, any suffix.
+_CPP_FLOAT = re.compile(
+    r"(?<![\w.])(0[xX][0-9a-fA-F]*\.?[0-9a-fA-F]*[pP][+-]?\d+|(?:\d+\.\d*|\.\d+)(?:[eE][+-]?\d+)?|\d+[eE][+-]?\d+)[fFlL]?"
+)
+
+
+def _cpp_code(text: str) -> str:
+    """C++ text without its comments (a literal in a comment restates nothing the compiler reads)."""
+    return re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", text, flags=re.DOTALL))
+
+
+def _cpp_floats(text: str) -> list[tuple[str, float]]:
+    out = []
+    for m in _CPP_FLOAT.finditer(_cpp_code(text)):
+        lit = m.group(1)
+        out.append((m.group(0), float.fromhex(lit) if lit[:2].lower() == "0x" else float(lit)))
+    return out
+
+
+def _python_numbers(text: str) -> list[tuple[str, float]]:
+    """Every number constant of Python code, and every constant expression of numbers (``2.0**-20``,
+    ``1 / 1048576``, ``-512.0``), with its value."""
+    import operator
+
+    ops = {
+        ast.Pow: operator.pow,
+        ast.Div: operator.truediv,
+        ast.Mult: operator.mul,
+        ast.Add: operator.add,
+        ast.Sub: operator.sub,
+    }
+
+    def value(node: ast.AST) -> float | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return float(node.value)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            v = value(node.operand)
+            return None if v is None else (-v if isinstance(node.op, ast.USub) else v)
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            a, b = value(node.left), value(node.right)
+            try:
+                return None if a is None or b is None else float(ops[type(node.op)](a, b))
+            except (ZeroDivisionError, OverflowError, TypeError):
+                return None
+        return None
+
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.expr) and not isinstance(node, ast.Name):
+            v = value(node)
+            if v is not None:
+                out.append((ast.unparse(node), v))
+    return out
+
+
+def _forbidden() -> dict[float, str]:
+    """Value -> the Python name that owns it: the codec constants, and the scale round-up factor."""
+    from kvtier.codecs import constants
+    from kvtier.quant.groups import SCALE_ROUND
+
+    out = {value: owner for owner, value in constants.CODEC_CONSTANTS.items()}
+    out[1 + SCALE_ROUND] = "1 + kvtier.quant.groups.SCALE_ROUND"
+    return out
+
+
+def test_the_literal_scanners_see_every_spelling():
+    forbidden = _forbidden()
+    cpp = "x = std::max(s, 9.5367431640625e-07f); y = a / 512.f; z = 0x1p-20f * 1.0009765625f; w = 5.12e2;"
+    assert [v in forbidden for _, v in _cpp_floats(cpp)] == [True, True, True, True, True]
+    assert _cpp_floats("// 512.f only in a comment\n/* 448.0 */ int n = 512;") == []
+    py = "a = 2.0**-20\nb = x / 512.0\nc = 1 / 1048576\nd = 448\ne = 2**-14\nf = (1 + 2.0**-10)"
+    assert {owner for _, v in _python_numbers(py) if (owner := forbidden.get(v))} == set(forbidden.values())
+
+
+def test_no_kernel_source_restates_a_codec_constant():
+    """SCALE_EPS, ZERO_MAX, SCALE_ROUND (kvtier.quant.groups) and the fp8 format's FP8_MAX /
+    FP8_SCALE_MIN have one definition, in Python: C++ reads them from the generated
+    ``codec_constants.h`` (kvtier.codecs.constants), Triton takes them as arguments."""
+    forbidden = _forbidden()
+    hits = []
+    for path in sorted(CSRC.glob("*")):
+        hits += [(path.name, lit, v) for lit, v in _cpp_floats(path.read_text(encoding="utf-8")) if v in forbidden]
+    for path in sorted((PKG / "kernels").glob("triton_*.py")):
+        hits += [(path.name, e, v) for e, v in _python_numbers(path.read_text(encoding="utf-8")) if v in forbidden]
+    assert not hits, "codec constants restated as literals (read codec_constants.h or pass them in):\n" + "\n".join(
+        f"{where}: {lit} (= {forbidden[v]})" for where, lit, v in hits
+    )
+
+
+def test_the_generated_header_holds_the_python_values_and_names_the_build(monkeypatch):
+    from kvtier.codecs import constants
+    from kvtier.kernels import build
+
+    found = dict(re.findall(r"constexpr float (\w+) = (0x[0-9a-fA-Fp.+-]+)f;", constants.header()))
+    assert {name: float.fromhex(lit) for name, lit in found.items()} == {
+        name: value for name, (value, _) in constants.KERNEL_CONSTANTS.items()
+    }
+    users = [p.name for p in CSRC.glob("*.cpp") if constants.HEADER in build._generated_in(p.name)]
+    assert users, "no kernel reads the codec constants"
+    name = build.module_name("kvtier_demo_v1", users[0])
+    assert name.startswith(f"kvtier_demo_v1_{build._torch_tag()}_")
+    monkeypatch.setitem(constants.KERNEL_CONSTANTS, "kZeroMax", (256.0, "a changed constant"))
+    assert build.module_name("kvtier_demo_v1", users[0]) != name  # a changed constant builds a new module
+    monkeypatch.undo()
+    assert build.module_name("kvtier_demo_v1", users[0]) == name
+    assert build.module_name("kvtier_demo_v1", "packed_attention.cpp") == f"kvtier_demo_v1_{build._torch_tag()}"

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier import TierPolicy
-from kvtier.cache.layer import TieredLayer
+from kvtier.hf.layer import TieredLayer
 
 
 def run_layer(policy: TierPolicy, chunks: list[int], B: int, H: int, D: int, pads: list[int], seed: int):

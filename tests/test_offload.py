@@ -19,8 +19,8 @@ from kvtier.attention.mask import KVMask
 from kvtier.attention.plan import plan_for
 from kvtier.attention.reference import reference_attention
 from kvtier.attention.tiered import tiered_attention
-from kvtier.cache.layer import TieredLayer
 from kvtier.diagnostics import reachable_tensor_bytes
+from kvtier.hf.layer import TieredLayer
 from kvtier.offload.records import RecordLayout
 from kvtier.offload.sketch import KeySketch, block_lse, block_lse_torch, expand, unpack_valid
 from kvtier.offload.store import BlockStore, RecordError, readahead, slab_sizes, store_capacity
@@ -383,7 +383,7 @@ def test_limited_budget_drops_exactly_the_unselected_blocks(budget, force):
 
 
 def test_select_offloaded_rule():
-    from kvtier.offload.attention import select_offloaded
+    from kvtier.attention.offloaded import select_offloaded
 
     # resident mass 0.5, blocks 0.3, 0.15, 0.04, 0.01 (of the total); one empty block
     lse = torch.log(torch.tensor([0.04, 0.3, 0.01, 0.15, 0.0]))[None, None, None]
@@ -400,7 +400,7 @@ def test_select_offloaded_rule():
 
 
 def test_estimated_skipped_share():
-    from kvtier.offload.attention import budget_binds, estimated_skipped
+    from kvtier.attention.offloaded import budget_binds, estimated_skipped
 
     # resident mass 0.5, blocks 0.3, 0.15, 0.04, 0.01 (of the total); one empty block
     lse = torch.log(torch.tensor([0.04, 0.3, 0.01, 0.15, 0.0]))[None, None, None]

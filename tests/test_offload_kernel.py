@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvtier import OffloadPolicy
+from kvtier.attention.offloaded import attend_blocks_torch, coarse_bounds, select_two_level_torch
 from kvtier.attention.tiered import tiered_attention
 from kvtier.kernels import offload_cpu
-from kvtier.offload.attention import attend_blocks_torch, coarse_bounds, select_two_level_torch
 from kvtier.offload.records import RecordLayout
 from kvtier.offload.sketch import KeySketch, block_lse_torch, expand, query_rows
 from kvtier.offload.store import BlockStore

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 import kvtier
 from conftest import tiny_llama
 from kvtier import TieredCache
-from kvtier.cache.codecs import Fp8Codec, KBitCodec, MixedCodec, SignCodec
+from kvtier.codecs import Fp8Codec, KBitCodec, MixedCodec, SignCodec
 from kvtier.errors import StorageRangeError
 
 FP16_PRESETS = ("default", "chat", "offload-cpu")

@@ -103,7 +103,8 @@ def test_prefill_kernel_rejects_bad_inputs(change, message: str) -> None:  # noq
 def test_paged_prefill_matches_reference(n: int, Le: int, pages: int, Hq: int, H: int, D: int, policy: dict) -> None:
     """``attend_paged`` over packed pages + exact rows = the fp32 reference over the pages' decoded
     fp32 keys and values: within the kernel's bound, with packed values' p * s rounded to bf16."""
-    from kvtier.vllm.pages import PageFormat, PagePolicy
+    from kvtier.codecs.pages import PageFormat
+    from kvtier.vllm.pages import PagePolicy
 
     torch.manual_seed(n + 7 * Le)
     fmt = PageFormat(PagePolicy(**policy), H, D, torch.bfloat16)
@@ -138,7 +139,8 @@ def test_paged_prefill_matches_reference(n: int, Le: int, pages: int, Hq: int, H
 
 
 def test_paged_prefill_refuses_pages_it_cannot_read() -> None:
-    from kvtier.vllm.pages import PageFormat, PagePolicy
+    from kvtier.codecs.pages import PageFormat
+    from kvtier.vllm.pages import PagePolicy
 
     fmt = PageFormat(PagePolicy(block_size=32), 1, 64, torch.bfloat16)  # 32-token pages
     assert not prefill_cpu.paged_supported(fmt.layout())
@@ -151,7 +153,8 @@ def test_paged_prefill_refuses_pages_it_cannot_read() -> None:
 @pytest.mark.parametrize("bad", [-1, 2])
 def test_paged_prefill_refuses_page_ids_out_of_range(bad: int) -> None:
     """A page id outside the pool is refused before anything is read."""
-    from kvtier.vllm.pages import PageFormat, PagePolicy
+    from kvtier.codecs.pages import PageFormat
+    from kvtier.vllm.pages import PagePolicy
 
     fmt = PageFormat(PagePolicy(), 1, 64, torch.bfloat16)
     x = torch.zeros(4, 1, 64, dtype=torch.bfloat16)

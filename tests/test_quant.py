@@ -151,7 +151,7 @@ def test_quantizers_build_no_graph():
 def test_rotated_kbit_codec_decodes_the_rotated_grid_back(bits, D):
     """KBitCodec(rotate=True) quantizes x @ R and decodes (q - z) s @ R.T; an outlier channel,
     which inflates the per-token value grid of every channel, costs the rotated code less."""
-    from kvtier.cache.codecs import KBitCodec
+    from kvtier.codecs import KBitCodec
 
     g = torch.Generator().manual_seed(bits + D)
     k = torch.randn(2, 3, 4, 16, D, generator=g)

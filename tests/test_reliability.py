@@ -11,8 +11,8 @@ import torch
 import kvtier
 from conftest import tiny_llama, tiny_llama_config
 from kvtier.attention import interface
-from kvtier.cache.layer import TieredLayer
 from kvtier.errors import CacheFullError, KVTierError
+from kvtier.hf.layer import TieredLayer
 
 PRESETS_MOVING = ["default", "max-compression", "kivi2", "sink-window", "chat", "offload-cpu", "offload-disk"]
 

@@ -40,8 +40,8 @@ from kvtier.attention.partials import (  # noqa: E402
 )
 from kvtier.attention.reference import reference_attention  # noqa: E402
 from kvtier.attention.tiered import _hot_allowed, tiered_attention  # noqa: E402
-from kvtier.cache.codecs import KBitCodec, SignCodec  # noqa: E402
-from kvtier.cache.layer import TieredLayer  # noqa: E402
+from kvtier.codecs import KBitCodec, SignCodec  # noqa: E402
+from kvtier.hf.layer import TieredLayer  # noqa: E402
 from kvtier.kernels import dispatch  # noqa: E402
 from kvtier.kernels import triton_decode as td  # noqa: E402
 from kvtier.quant import rotation, unpack_bits  # noqa: E402

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvtier.codecs.pages import PageFormat
 from kvtier.kernels import vllm_paged_cpu
 from kvtier.vllm import paged
 from kvtier.vllm.paged import (
@@ -27,7 +28,7 @@ from kvtier.vllm.paged import (
     update_layer,
     update_layer_fused,
 )
-from kvtier.vllm.pages import PAGE_POLICIES, PageFormat, PagePolicy, get_page_policy
+from kvtier.vllm.pages import PAGE_POLICIES, PagePolicy, get_page_policy
 
 H, HQ, D = 3, 9, 64
 

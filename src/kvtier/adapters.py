@@ -1,17 +1,19 @@
 """Lazy access to the transformers adapter (:mod:`kvtier.hf`) from the framework-free packages.
 
-``kvtier.TieredCache``, ``kvtier.enable``, ``kvtier.cache.TieredLayer``, ``kvtier.attention.enable``
-and the like resolve through :func:`hf_attribute` on first use, so ``import kvtier`` (policies, the
-planner, codecs, tiers, the block store, kernels) works without transformers, and a name that
-needs it raises a clear :class:`ImportError`. May import: ``kvtier.hf`` (lazily), nothing else.
+``kvtier.TieredCache``, ``kvtier.TieredLayer``, ``kvtier.enable``, ``kvtier.disable`` and
+``kvtier.register`` resolve through :func:`hf_attribute` on first use, so ``import kvtier``
+(policies, the planner, codecs, tiers, the block store, kernels) works without transformers, and a
+name that needs it raises a clear :class:`ImportError`. Only the top-level package forwards names;
+the subpackages (``kvtier.cache``, ``kvtier.attention``) sit below the adapter and never reach up
+to it. May import: ``kvtier.hf`` (lazily), nothing else.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-#: Names each package forwards to :mod:`kvtier.hf`.
-HF_NAMES = ("TieredCache", "TieredLayer", "disable", "enable", "kvtier_mask", "register")
+#: Names the top-level package forwards to :mod:`kvtier.hf`.
+HF_NAMES = ("TieredCache", "TieredLayer", "disable", "enable", "register")
 
 
 def hf_attribute(owner: str, name: str) -> Any:

@@ -1,6 +1,6 @@
 """Index and mask helpers over token positions and block lists: leaf module (imports torch only).
 
-Shared by the attention paths (:mod:`kvtier.attention`, :mod:`kvtier.offload.attention`) and the
+Shared by the attention paths (:mod:`kvtier.attention`, :mod:`kvtier.attention.offloaded`) and the
 offload block store's tier (:mod:`kvtier.offload.tier`), so that storage never imports attention
 and the attention paths never import each other for a helper. Layers are read duck-typed: a
 layer here is anything with ``hot.length``, ``hot_start`` and ``seen`` (a

@@ -384,7 +384,7 @@ class TierPolicy:
     cold_value_bits : the values' width of a k-bit cold tier (1, 2, 3, 4, 6 or 8), or None
         (``cold_bits``).
     cold_meta : storage of a k-bit cold tier's parameters: ``"fp16"`` (scale and zero) or ``"fp8"``
-        (e4m3 step and offset, half the bytes; :class:`~kvtier.cache.codecs.MixedCodec`).
+        (e4m3 step and offset, half the bytes; :class:`~kvtier.codecs.MixedCodec`).
     adaptive : an :class:`AdaptivePolicy` (a byte budget; cold widths per layer chosen from
         measured errors, a budget-driven warm window) or None. Needs ``cold="quant"``. An integer
         ``warm_bits`` is then coded like the cold tier (``cold_rotation``, ``cold_meta``).
@@ -402,7 +402,7 @@ class TierPolicy:
         not checked). Refusing rather than silently keeping fp32 keeps the bytes the cache reports
         and caps (``max_bytes``) what the policy says; ``"bfloat16"`` (fp32's range in 2 bytes) or
         ``"model"`` holds such values. Quantized tiers refuse the same way a block whose fp16 / fp8
-        parameters cannot hold its range (:func:`kvtier.cache.codecs.check_params`).
+        parameters cannot hold its range (:func:`kvtier.codecs.check_params`).
     sparse : a :class:`SparsePolicy` for dynamic sparse attention over warm and cold, or None.
     layer_overrides : layer index -> policy or preset name; negative indices count from the end.
         Any mapping; held as an immutable :class:`LayerOverrides`.

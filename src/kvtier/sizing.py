@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from .cache.codecs import make_codecs, storage_dtype
 from .cache.tiers import hot_capacity
+from .codecs import make_codecs, storage_dtype
 from .policy import PRESETS, TierPolicy, get_policy
 
 #: Built-in model shapes: layers, KV heads, head_dim (all full-attention layers).

@@ -10,6 +10,7 @@ pytest.importorskip("vllm.v1")
 
 import torch  # noqa: E402
 
+from kvtier.codecs.pages import PageFormat  # noqa: E402
 from kvtier.kernels import prefill_cpu, vllm_paged_cpu  # noqa: E402
 from kvtier.kernels.build import cpu_has_avx512  # noqa: E402
 from kvtier.vllm.paged import (  # noqa: E402
@@ -20,7 +21,7 @@ from kvtier.vllm.paged import (  # noqa: E402
     plan_step,
     update_layer_fused,
 )
-from kvtier.vllm.pages import PageFormat, PagePolicy  # noqa: E402
+from kvtier.vllm.pages import PagePolicy  # noqa: E402
 
 H, HQ, D = 3, 9, 64
 

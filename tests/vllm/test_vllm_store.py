@@ -9,7 +9,7 @@ import json  # noqa: E402
 
 import torch  # noqa: E402
 
-from kvtier.cache.codecs import KBitCodec  # noqa: E402
+from kvtier.codecs import KBitCodec  # noqa: E402
 from kvtier.vllm import (  # noqa: E402
     POLICIES,
     BlockCodec,
@@ -88,19 +88,18 @@ def test_fused_encode_with_sinks_and_key_groups_matches_kbit_codec_bytes(fmt):
 
 
 def test_fast_pack_and_decode_match_kvtier_quant():
-    from kvtier.quant import pack_bits
-    from kvtier.vllm.blocks import _pack, _unpack
+    from kvtier.quant import pack_bits, pack_words, unpack_words
 
     for bits in range(1, 9):
         for shape in [(3, 5, 64), (7, 8), (2, 24)]:
             codes = torch.randint(0, 1 << bits, shape, dtype=torch.uint8)
-            packed = _pack(codes, bits)
+            packed = pack_words(codes, bits)
             assert torch.equal(packed, pack_bits(codes, bits)), (bits, shape)
-            assert torch.equal(_unpack(packed, bits, shape[-1]), codes), (bits, shape)
+            assert torch.equal(unpack_words(packed, bits, shape[-1]), codes), (bits, shape)
             for k in (1, 2):  # packed bytes at an offset not aligned to the planes' word size
                 flat = torch.zeros(packed.numel() + k, dtype=torch.uint8)
                 flat[k:] = packed.reshape(-1)
-                assert torch.equal(_unpack(flat[k:].view(packed.shape), bits, shape[-1]), codes), (bits, shape, k)
+                assert torch.equal(unpack_words(flat[k:].view(packed.shape), bits, shape[-1]), codes), (bits, shape, k)
     codec = BlockCodec(SMALL)
     kv = block(SMALL, 3)
     L, H, _, T, D = SMALL.shape

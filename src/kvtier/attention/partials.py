@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.codecs import Codec
+from ..codecs import Codec
 from ..quant import planes, rotation
 
 NEG_INF = float("-inf")
@@ -211,7 +211,7 @@ def packed_partial(
 ) -> Partial:
     """Attention over a packed tier (any codec with affine codes) without dequantizing it.
 
-    With ``x = a * code + b`` (:meth:`~kvtier.cache.codecs.AffineCodec.affine`), key scores are
+    With ``x = a * code + b`` (:meth:`~kvtier.codecs.AffineCodec.affine`), key scores are
     ``(q * a) . code + q . b`` and values ``sum_t p_t a_t code_t + sum_t p_t b_t``, codes read one
     bit-plane slice at a time.
 

@@ -5,7 +5,7 @@ per fallback: :func:`plan_for` is the only code that reads the thresholds below,
 the device and the kernels' availability (the C++ per-tier, fused and sketch kernels, Triton, and
 torch's flash op with lse). It returns an :class:`AttentionPlan`, memoized in the forward call's
 :class:`~kvtier.attention.mask.KVMask` per layer layout (policy, heads, tokens, codecs), so every
-layer of a step reuses the same object. :mod:`.tiered` and :mod:`kvtier.offload.attention` only
+layer of a step reuses the same object. :mod:`.tiered` and :mod:`kvtier.attention.offloaded` only
 follow it.
 
 ``force=`` picks a backend: ``"reference"`` (decode every tier, one SDPA call: the oracle),

@@ -2,7 +2,7 @@
 
 Block score: Quest's upper bound of ``q . k`` over a block, ``sum_d max(q_d lo_d, q_d hi_d)``,
 where ``lo, hi`` are the per-channel extremes of the block's *stored* keys. They come for free
-from the quantization metadata (:meth:`~kvtier.cache.codecs.AffineCodec.key_range`: a k-bit block
+from the quantization metadata (:meth:`~kvtier.codecs.AffineCodec.key_range`: a k-bit block
 spans ``[-zero * scale, (qmax - zero) * scale]`` per channel, a sign block ``mean -/+ scale``).
 The bound costs ``1 / block_tokens`` of the scores.
 

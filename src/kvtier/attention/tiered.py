@@ -20,6 +20,7 @@ from ..stats import SparseStats
 from . import work
 from .backends.base import DENSE, Selection
 from .mask import KVMask
+from .offloaded import offload_attention
 from .partials import Partial, from_rows, merge, to_rows
 from .plan import AttentionPlan, ChunkPlan, plan_for
 from .reference import reference_attention
@@ -162,8 +163,6 @@ def tiered_attention(
     if plan.path in ("reference", "sdpa"):  # the oracle; or only exact hot tokens: the plain SDPA call
         return reference_attention(layer, query, mask, scaling)
     if plan.path == "offload":  # cold blocks in a block store: see kvtier.offload
-        from ..offload.attention import offload_attention
-
         return offload_attention(layer, query, mask, scaling, plan)
     if mask is not None and not mask.causal:
         raise NotImplementedError("tiered layers support causal (+ padding) masks only")

@@ -5,8 +5,8 @@ Owns :class:`LayerErrors` (what one layer measured during the warm-up), :func:`a
 rule) and :class:`Budget` (one per cache, shared by its layers: the statistics, the allocation once
 made, and how many warm blocks the budget allows at a length). The layer state machine
 (:mod:`kvtier.cache.state`) asks the budget for its cold codec and its warm capacity; nothing here
-moves blocks. May import torch, :mod:`kvtier.errors`, :mod:`kvtier.policy`, :mod:`kvtier.quant`, :mod:`.codecs`; never
-transformers or attention.
+moves blocks. May import torch, :mod:`kvtier.errors`, :mod:`kvtier.policy`, :mod:`kvtier.quant`,
+:mod:`kvtier.codecs`; never transformers or attention.
 
 How the allocation works (calibration-free: it measures the text being cached):
 
@@ -45,10 +45,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..codecs import META_DTYPES, MixedCodec, make_codecs, storage_dtype, value_group
 from ..errors import BudgetWarning
 from ..policy import TierPolicy
 from ..quant import packed_size, quantize_ab, rotation
-from .codecs import META_DTYPES, MixedCodec, make_codecs, storage_dtype, value_group
 
 
 class LayerErrors:
@@ -57,7 +57,7 @@ class LayerErrors:
     Parameters
     ----------
     widths : candidate widths.
-    meta : parameter format (a key of :data:`kvtier.cache.codecs.META_DTYPES`).
+    meta : parameter format (a key of :data:`kvtier.codecs.META_DTYPES`).
     heads, dim, group : KV heads, head dim, value group size.
     """
 

@@ -6,9 +6,9 @@ caps, views for attention and reports), the ids of kvtier masks (:func:`mark_for
 :func:`forward_epoch`) and the names the adapter and attention share (``ATTENTION_NAME``,
 ``HANDLE_KEY``). The transformers cache layer :class:`kvtier.hf.layer.TieredLayer` is
 ``LayerState`` plus transformers' ``CacheLayerMixin``.
-May import: torch, ``kvtier.cache`` (tiers, codecs), ``kvtier.policy``, ``kvtier.errors``,
-``kvtier.stats``, and (lazily, for ``cold="offload"``) ``kvtier.offload``; never transformers,
-``kvtier.attention`` or ``kvtier.hf``.
+May import: torch, ``kvtier.cache`` (tiers, adaptive), ``kvtier.codecs``, ``kvtier.policy``,
+``kvtier.errors``, ``kvtier.stats``, and (lazily, for ``cold="offload"``) ``kvtier.offload``; never
+transformers, ``kvtier.attention`` or ``kvtier.hf``.
 
 Data flow per forward call:
 
@@ -48,7 +48,7 @@ step's query rows are held only until its ``settle`` (no tensor outlives the cal
 
 With ``cold="offload"`` the cold tier is a :class:`~kvtier.offload.tier.OffloadTier` (same
 interface: resident key sketches and a block table over a block store in host RAM or on disk),
-and attention goes through :mod:`kvtier.offload.attention`.
+and attention goes through :mod:`kvtier.attention.offloaded`.
 """
 
 from __future__ import annotations
@@ -64,10 +64,10 @@ from typing import Any
 
 import torch
 
+from ..codecs import make_codecs, storage_dtype, value_group
 from ..errors import KVTierError, StorageRangeError
 from ..policy import TierPolicy
 from ..stats import SparseStats, tensor_bytes
-from .codecs import make_codecs, storage_dtype, value_group
 from .tiers import BlockTier, HotBuffer, SinkBuffer
 
 ATTENTION_NAME = "kvtier"

@@ -1,7 +1,7 @@
 """Tier storage: the exact hot buffer, the exact sink buffer, and block tiers of packed data.
 
 All tensors are head-major: ``[batch, kv_head, ...]``. The token ranges of the tiers are kept
-by :class:`~kvtier.cache.layer.TieredLayer`; these classes only hold tensors and move blocks.
+by :class:`~kvtier.cache.state.LayerState`; these classes only hold tensors and move blocks.
 Storage is sized to what it holds (block tiers grow by concatenation, which frees the old
 storage; the hot buffer grows geometrically up to its bound), so the bytes a memory report
 counts are the bytes the process holds.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .codecs import Codec
+from ..codecs import Codec
 
 #: The hot buffer's smallest allocation (tokens).
 HOT_MIN_CAPACITY = 16

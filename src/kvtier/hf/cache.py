@@ -1,8 +1,8 @@
 """``TieredCache``: a transformers ``Cache`` whose full-attention layers are :class:`TieredLayer`.
 
-Part of the transformers adapter (:mod:`kvtier.hf`); ``kvtier.cache.tiered`` is an alias of this
-module. May import: transformers, ``kvtier.cache``, ``kvtier.policy``, ``kvtier.errors``,
-``kvtier.stats``, ``kvtier.diagnostics``, ``kvtier.hf.layer``, and (lazily) ``kvtier.offload``.
+Part of the transformers adapter (:mod:`kvtier.hf`). May import: transformers, ``kvtier.cache``,
+``kvtier.codecs``, ``kvtier.policy``, ``kvtier.errors``, ``kvtier.stats``, ``kvtier.diagnostics``,
+``kvtier.hf.layer``, and (lazily) ``kvtier.offload``.
 
 Sliding-window and other non-full-attention layers of hybrid models (``config.layer_types``)
 use transformers' own layer classes. The cache needs kvtier's attention function, which reads
@@ -60,8 +60,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from ..cache.adaptive import Budget
-from ..cache.codecs import value_group
 from ..cache.state import ATTENTION_NAME, Journal, forward_epoch
+from ..codecs import value_group
 from ..diagnostics import MemoryReport, memory_report
 from ..errors import CacheFullError, KVTierError
 from ..policy import TierPolicy, get_policy

@@ -4,5 +4,5 @@ Triton kernels. Each has the torch functions of :mod:`kvtier.attention.partials`
 the attention backends (:mod:`kvtier.attention.backends`) call them where the attention plan says.
 
 Owns: kernel sources, their build and the Triton wrappers (``dispatch``). May import torch, ``kvtier.quant`` and
-``kvtier.cache.codecs`` (codec metadata); never attention, cache state, offload or transformers.
+``kvtier.codecs`` (codec metadata); never attention, cache state, offload or transformers.
 """

@@ -2,15 +2,20 @@
 and a check that turns any build failure into a warning and a fallback to the torch path.
 
 Owns reading the kernel sources in ``kernels/csrc/`` (shipped as package data) and the flags they
-are built with; imports only the standard library and, when a kernel is built, ``torch``. A source
-is handed to ``torch.utils.cpp_extension.load_inline`` as text, with every ``#include "x.h"`` of a
-``csrc/`` file replaced by that file's text: the compiled text then depends only on the sources,
-not on where the package is installed, so every checkout and install shares one cached build (one per
-torch installation: see :func:`load`).
+are built with; imports only the standard library and, when a kernel is built, ``torch`` and
+:mod:`kvtier.codecs.constants`. A source is handed to ``torch.utils.cpp_extension.load_inline`` as
+text, with every ``#include "x.h"`` of a ``csrc/`` file replaced by that file's text: the compiled
+text then depends only on the sources, not on where the package is installed, so every checkout and
+install shares one cached build (one per torch installation: see :func:`load`).
+
+A header in :func:`generated` (``codec_constants.h``: the codec constants, written from their Python
+definitions) is no file: its text comes from Python when a kernel is built, and a hash of it is part
+of the built module's name (:func:`module_name`), so a changed constant builds a new module.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import time
@@ -44,10 +49,41 @@ def cpu_has_avx512() -> bool:
         return False
 
 
+def generated() -> dict[str, Callable[[], str]]:
+    """Headers written from Python when a kernel is built (no file in ``csrc/``): name -> its text."""
+    from ..codecs import constants
+
+    return {constants.HEADER: constants.header}
+
+
 def source(filename: str) -> str:
-    """The C++ text of ``csrc/<filename>`` as compiled, its ``#include "..."`` lines replaced by those files."""
+    """The C++ text of ``csrc/<filename>`` as compiled, its ``#include "..."`` lines replaced by those
+    files (or by a :func:`generated` header's text)."""
+    made = generated()
+    if filename in made:
+        return made[filename]()
     text = (resources.files(__package__) / "csrc" / filename).read_text(encoding="utf-8")
     return _LOCAL_INCLUDE.sub(lambda m: source(m.group(1)).rstrip("\n"), text)
+
+
+def _generated_in(filename: str) -> list[str]:
+    """The :func:`generated` headers the compiled text of ``csrc/<filename>`` includes, in order."""
+    made = generated()
+    if filename in made:
+        return [filename]
+    text = (resources.files(__package__) / "csrc" / filename).read_text(encoding="utf-8")
+    return [h for include in _LOCAL_INCLUDE.findall(text) for h in _generated_in(include)]
+
+
+def module_name(name: str, filename: str) -> str:
+    """The name ``csrc/<filename>`` is built as: ``name``, the torch tag (:func:`_torch_tag`) and, when
+    it includes a :func:`generated` header, 8 hex digits of that header's text."""
+    built = f"{name}_{_torch_tag()}"
+    made = generated()
+    headers = "".join(made[h]() for h in dict.fromkeys(_generated_in(filename)))
+    if headers:
+        built += "_" + hashlib.sha1(headers.encode()).hexdigest()[:8]
+    return built
 
 
 def load(name: str, filename: str, functions: list[str], cflags: tuple[str, ...] = ()) -> Any:
@@ -55,14 +91,14 @@ def load(name: str, filename: str, functions: list[str], cflags: tuple[str, ...]
 
     Needs a C++ compiler and ninja; ``torch.utils.cpp_extension.load_inline`` generates the Python
     bindings. ``name`` carries a version suffix, bumped whenever the compiled text changes; the
-    module is built as ``<name>_<torch tag>_omp`` with :data:`OPENMP_FLAGS` (its tasks on torch's
-    threads) or, where that build fails, as ``<name>_<torch tag>`` without them (one thread, with a
-    warning); the tag (:func:`_torch_tag`) keeps environments with their own torch apart.
+    module is built as ``<module_name>_omp`` with :data:`OPENMP_FLAGS` (its tasks on torch's
+    threads) or, where that build fails, as ``<module_name>`` without them (one thread, with a
+    warning); the torch tag in :func:`module_name` keeps environments with their own torch apart.
     """
     from torch.utils.cpp_extension import load_inline
 
     text = source(filename)
-    built = f"{name}_{_torch_tag()}"
+    built = module_name(name, filename)
     try:
         return _load(load_inline, built + "_omp", text, functions, (*cflags, *OPENMP_FLAGS), OPENMP_FLAGS)
     except Exception as err:  # noqa: BLE001 - e.g. a compiler without OpenMP: the serial build below
@@ -82,8 +118,6 @@ def _torch_tag() -> str:
     so two environments with their own torch (kvtier's ``.venv`` and ``.venv-vllm``) would rebuild a
     shared module on every switch; with the tag each keeps its own build, and checkouts and installs
     using the same torch still share one."""
-    import hashlib
-
     import torch
 
     return hashlib.sha1(os.path.dirname(os.path.realpath(torch.__file__)).encode()).hexdigest()[:8]

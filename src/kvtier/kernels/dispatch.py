@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from ..cache.codecs import Codec
+from ..codecs import Codec
 from ..quant import rotation
 
 
@@ -45,7 +45,7 @@ def gpu_partial(
     Parameters
     ----------
     rows : fp32 ``[B, H, R, D]``, pre-scaled.
-    fields : the tier's tensors (``codec.KERNEL_FIELDS``, see :mod:`kvtier.cache.codecs`),
+    fields : the tier's tensors (``codec.KERNEL_FIELDS``, see :mod:`kvtier.codecs`),
         ``valid`` bool ``[B, 1, n, T]``.
     codec : the tier's codec; a rotated sign codec rotates the rows in and the output back.
     dim : head dim ``D``.

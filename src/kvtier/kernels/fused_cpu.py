@@ -31,14 +31,14 @@ import functools
 
 import torch
 
-from ..cache.codecs import AFFINE_MODES
+from ..codecs import AFFINE_MODES
 from . import build
 
 
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_fused_cpu_v12", "layer_attention.cpp", ["layer_attention"], ("-fno-math-errno", "-fno-trapping-math")
+        "kvtier_fused_cpu_v13", "layer_attention.cpp", ["layer_attention"], ("-fno-math-errno", "-fno-trapping-math")
     )
 
 
@@ -68,7 +68,7 @@ def layer_attention(
         per packed tier, as a codec stores them (``codec.KERNEL_FIELDS``, fp16, fp32 or fp8 e4m3
         metadata), ``bits`` one width or ``(key bits, value bits)``,
         ``affine`` the codec's rule for ``x = a * code + b`` (a key of
-        :data:`kvtier.cache.codecs.AFFINE_MODES`), ``valid [B,n,T]``, ``start`` the index of the
+        :data:`kvtier.codecs.AFFINE_MODES`), ``valid [B,n,T]``, ``start`` the index of the
         tier's first token slot, ``rot [D,D]`` or None (codes of ``x @ rot``).
     select : ``(method, level, forced_from [R])``: token selection per tier (``"mass"`` or
         ``"quantile"``, rules of :func:`kvtier.attention.sparse.select_tokens`, the mass counting the

@@ -11,7 +11,7 @@ compiled on first use.
    and the walk stops once the bounds of every block left sum to at most ``tol`` times each row's
    estimated total (resident mass plus the blocks scored): the blocks never scored cannot carry
    more than ``tol`` of any row's estimated mass;
-3. per row, the mass rule of :func:`kvtier.offload.attention.select_offloaded` over the scored blocks.
+3. per row, the mass rule of :func:`kvtier.attention.offloaded.select_offloaded` over the scored blocks.
 
 :func:`offload_attend` attends the selected blocks *exactly*, reading each record where it lies -
 a host-RAM store's slab, or a buffer of records read from disk - from a table of key and value
@@ -22,8 +22,8 @@ partial dot products summed by one transposing reduction instead of one horizont
 share each token's loads among up to 4 query rows, and read records in their storage dtype
 without a converted copy; other shapes take plain loops the compiler vectorizes.
 
-The torch references are :func:`kvtier.offload.attention.select_two_level_torch` and
-:func:`kvtier.offload.attention.attend_blocks_torch`. :func:`available` is False when no C++
+The torch references are :func:`kvtier.attention.offloaded.select_two_level_torch` and
+:func:`kvtier.attention.offloaded.attend_blocks_torch`. :func:`available` is False when no C++
 compiler is present; callers then use the torch path.
 
 The C++ is ``csrc/offload_attention.cpp``, built by :mod:`kvtier.kernels.build`. Imports only
@@ -79,7 +79,7 @@ def offload_select(
         ``[B,1,n,ceil(T/8)]``); read coded, as stored.
     lse_res : fp32 ``[B, H, R]`` exact log mass of the resident tokens.
     forced_from : int64 ``[R]``: blocks ``j >= forced_from[r]`` holding a valid token are kept.
-    mass, min_blocks, max_blocks : the rule of :func:`kvtier.offload.attention.select_offloaded`
+    mass, min_blocks, max_blocks : the rule of :func:`kvtier.attention.offloaded.select_offloaded`
         (``mass=None``: no mass cut).
     tol : the walk's stopping tolerance (0: score every block).
 

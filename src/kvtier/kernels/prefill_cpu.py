@@ -24,7 +24,7 @@ from . import build
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_prefill_v7",
+        "kvtier_prefill_v8",
         "prefill_attention.cpp",
         ["prefill_attend", "prefill_attend_paged", "prefill_supported", "prefill_paged_supported"],
         ("-fno-math-errno",),
@@ -55,7 +55,7 @@ def attend_paged(
     layout: list[int],
 ) -> None:
     """:func:`attend` over ``len(pids) * T`` keys read from packed pages ``pages[pids]`` (uint8
-    ``[B, page]``, in order; ``layout`` = :meth:`kvtier.vllm.pages.PageFormat.layout`), then the exact
+    ``[B, page]``, in order; ``layout`` = :meth:`kvtier.codecs.pages.PageFormat.layout`), then the exact
     ``k, v [Le, H, D]`` (bf16; the chunk's own keys last: ``Le >= n``). Query ``i`` sees every packed
     key and the exact keys ``< Le - n + i + 1``. Pages of ``T`` and key groups in multiples of 64, no
     sink tokens, one value group per row, 4-bit keys, 4- or 3-bit values (:func:`paged_supported`).
@@ -66,7 +66,7 @@ def attend_paged(
 
 
 def paged_supported(layout: list[int]) -> bool:
-    """Whether :func:`attend_paged` reads pages of this :meth:`~kvtier.vllm.pages.PageFormat.layout`
+    """Whether :func:`attend_paged` reads pages of this :meth:`~kvtier.codecs.pages.PageFormat.layout`
     (the kernel's own rule; False where the kernel is not built)."""
     return available() and bool(_module().prefill_paged_supported([int(x) for x in layout]))
 

@@ -16,7 +16,7 @@ divide 8 (``3 = 2 + 1``, ``6 = 4 + 2``), each plane packed densely along the cha
 ``c`` of a plane of width ``w`` lives in byte ``start + c // (8 / w)`` at shift ``w * (c % (8 / w))``.
 A kernel loads a plane's bytes contiguously, expands each byte into its ``8 / w`` fields with a
 broadcast shift and reshapes them into channel order, so any width 1..8 works. Every stored value
-is ``x = a * code + b`` (:meth:`kvtier.cache.codecs.AffineCodec.affine`); the kernel can also
+is ``x = a * code + b`` (:meth:`kvtier.codecs.AffineCodec.affine`); the kernel can also
 read a tier's fields as stored (fp16 ``scale, zero`` or ``scale, mean``) and form ``a, b`` in
 registers, which saves the fp32 copies ``affine`` would make every step.
 
@@ -39,13 +39,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..cache import codecs
+from .. import codecs
 from ..quant import packed_size, planes
 
 #: Elements of the ``[rows, tokens, channels]`` product a program holds per step: the register budget
 #: (about 100-130 registers a thread at 4 warps on sm_90, no spills; see ``gpu_check.py --compile-only``).
 TILE_ELEMENTS = 4096
-#: How the affine parameters of a tier are read (the codecs' table, :data:`kvtier.cache.codecs.AFFINE_MODES`).
+#: How the affine parameters of a tier are read (the codecs' table, :data:`kvtier.codecs.AFFINE_MODES`).
 AFFINE_MODES = codecs.AFFINE_MODES
 
 
@@ -55,7 +55,7 @@ AFFINE_MODES = codecs.AFFINE_MODES
 @triton.jit
 def _affine(p1, p2, AFFINE: tl.constexpr):
     """``(a, b)`` of ``x = a * code + b`` from the two stored parameters (fp32); the rules of
-    :func:`kvtier.cache.codecs.affine_ab`."""
+    :func:`kvtier.codecs.affine_ab`."""
     if AFFINE == 1:
         a = p1
         b = -p1 * p2

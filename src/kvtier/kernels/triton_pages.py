@@ -16,7 +16,7 @@ work of a request are its pages, then one exact unit (side rows + new tokens); t
 units ``s, s + S, ...`` (FlashDecoding's split-K) with an online softmax each, and a merge kernel
 combines the splits' normalized partials by log-sum-exp and writes vLLM's output rows in place.
 
-The page layout arrives as :meth:`kvtier.vllm.pages.PageFormat.layout`'s ints plus the key code
+The page layout arrives as :meth:`kvtier.codecs.pages.PageFormat.layout`'s ints plus the key code
 width. The torch path :func:`kvtier.vllm.paged.attend_layer` is the reference
 (``tests/test_vllm_triton.py`` runs this kernel on the CPU through Triton's interpreter). Imports
 torch, Triton and the code planes of :mod:`.triton_decode`; never vLLM or :mod:`kvtier.vllm`.
@@ -279,7 +279,7 @@ def attend(
     pstart : int64 ``[R + 1]``; pids : int64 ``[P]`` the packed pages of request ``r`` are
         ``pids[pstart[r]:pstart[r + 1]]``.
     out : ``[N, Hq, D]`` fp32 or the model dtype; rows of the listed requests are written.
-    layout, bits : the pages' :meth:`~kvtier.vllm.pages.PageFormat.layout` and key code width.
+    layout, bits : the pages' :meth:`~kvtier.codecs.pages.PageFormat.layout` and key code width.
     max_query : most new tokens of a request; max_units : most pages of a request plus two (host ints:
         no device sync).
     num_splits : splits per (request, KV head, row tile); None picks one from the device.

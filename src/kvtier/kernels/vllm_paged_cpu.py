@@ -6,10 +6,10 @@ call per layer and step, and a page decoder for prefill chunks.
 dequantized to memory) and then over its exact rows, read in place in the model dtype (the side buffer's rows of
 its partly filled block, then the step's new K/V, causal); the output goes straight into the
 caller's tensor. :func:`update`: packs the blocks a step fills (the bytes of
-:meth:`kvtier.vllm.pages.PageFormat.encode`) and writes the other new tokens into the side
+:meth:`kvtier.codecs.pages.PageFormat.encode`) and writes the other new tokens into the side
 buffer. :func:`decode`: whole pages into token-major rows of the model dtype. The torch references
 are :func:`kvtier.vllm.paged.attend_layer`, :func:`~kvtier.vllm.paged.update_layer` and
-:meth:`~kvtier.vllm.pages.PageFormat.decode`. The C++ is ``csrc/vllm_paged_attention.cpp``, built
+:meth:`~kvtier.codecs.pages.PageFormat.decode`. The C++ is ``csrc/vllm_paged_attention.cpp``, built
 by :mod:`kvtier.kernels.build`; when that fails :func:`available` is False and callers use the
 torch path. Imports only torch and ``.build``.
 """
@@ -26,7 +26,7 @@ from . import build
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_vllm_paged_v12",
+        "kvtier_vllm_paged_v14",
         "vllm_paged_attention.cpp",
         ["vllm_paged_attend", "vllm_paged_update", "vllm_paged_decode"],
         ("-fno-math-errno",),
@@ -65,7 +65,7 @@ def attend(
     causal. Rows of q / key / value / out need only be contiguous. ``layout``: H, D, T, key group,
     value group, sink tokens, page bytes, the byte offsets of kscale, kzero, vscale, vzero, sink,
     kcodes, vcodes, then the value code width (4 or 3; keys are 4-bit): see
-    :meth:`kvtier.vllm.pages.PageFormat.layout`.
+    :meth:`kvtier.codecs.pages.PageFormat.layout`.
 
     ``level < 1``: sparse decode for requests of at most ``max_query`` new tokens (not split across
     threads): every packed token is scored, values are read only for the tokens kept by
@@ -116,5 +116,5 @@ def decode(
 ) -> None:
     """Write the pages ``pages[pids]`` of model dtype ``dtype`` decoded, token-major, into
     ``key, value [len(pids) * T, H, D]`` (contiguous, fp32 or ``dtype``):
-    :meth:`kvtier.vllm.pages.PageFormat.decode` in that dtype, transposed."""
+    :meth:`kvtier.codecs.pages.PageFormat.decode` in that dtype, transposed."""
     _module().vllm_paged_decode(pages, pids, key, value, torch.empty(0, dtype=dtype), layout)

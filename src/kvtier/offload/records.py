@@ -2,7 +2,7 @@
 
 A record holds a block's ``T`` keys then its ``T`` values, token-major within the record, either
 exact in the storage dtype (``bits=None``: ``k [T, D]``, ``v [T, D]``) or k-bit encoded with
-:class:`~kvtier.cache.codecs.KBitCodec` (``bits`` 8 or 4: codes, then the fp16 scales and
+:class:`~kvtier.codecs.KBitCodec` (``bits`` 8 or 4: codes, then the fp16 scales and
 zeros). Each field is a fixed-size byte range, so a batch of records is one uint8 matrix
 ``[n, record_bytes]`` that the store moves without knowing what it holds.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.codecs import KBitCodec
+from ..codecs import KBitCodec
 from ..quant import packed_size
 
 

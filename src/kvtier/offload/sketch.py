@@ -7,7 +7,7 @@ After a fixed randomized Hadamard rotation (QuaRot https://arxiv.org/abs/2404.00
     ``k_hat = mean + alpha_t * scale * (2 b - 1)``,
 
 ``b`` the sign bits of ``d``, ``scale = mean |d|`` per channel over the block (as the 1-bit code of
-:class:`~kvtier.cache.codecs.SignCodec`), and ``alpha_t`` a per-token factor, the least-squares fit
+:class:`~kvtier.codecs.SignCodec`), and ``alpha_t`` a per-token factor, the least-squares fit
 ``sum_c |d_c| scale_c / sum_c scale_c^2``. The per-token factor keeps a key's magnitude: an
 outlier key (a token the model will retrieve) scores as high as it should, where a sign code with
 only per-channel scales flattens it.
@@ -23,7 +23,7 @@ the same blocks as fp16 ones within the stated counts.
 
 A query row scores every sketched token, ``s = q . k_hat``, and a block's log-sum-exp of those
 scores estimates the log of the softmax mass the block would get; this chooses the blocks to
-fetch (:mod:`kvtier.offload.attention`), which are then attended exactly. On SmolLM2 (1k tokens,
+fetch (:mod:`kvtier.attention.offloaded`), which are then attended exactly. On SmolLM2 (1k tokens,
 decode rows) the per-token factor cut the true attention mass missed at a 0.999 mass budget from
 0.44% to 0.17% on average, at the same number of blocks kept.
 

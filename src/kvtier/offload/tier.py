@@ -10,7 +10,7 @@ When a block leaves the hot (or warm) tier it is split in two:
   8-/4-bit codes, :mod:`kvtier.offload.records`) in a :class:`~kvtier.offload.store.BlockStore`.
 
 Beam search and batch selection permute table rows; no data moves and records no row refers to
-any more are freed (vLLM-style, beam-safe). Attention (:mod:`kvtier.offload.attention`) chooses
+any more are freed (vLLM-style, beam-safe). Attention (:mod:`kvtier.attention.offloaded`) chooses
 blocks from the sketches and :meth:`OffloadTier.gather` gets them, from what the prefetcher staged
 (:mod:`kvtier.offload.prefetch`) or synchronously from the store; :class:`OffloadStats` counts it.
 """
@@ -24,7 +24,7 @@ from concurrent.futures import Future
 
 import torch
 
-from ..cache.codecs import check_params, value_group
+from ..codecs import check_params, value_group
 from ..errors import BudgetWarning
 from ..indexing import union_blocks
 from ..policy import TierPolicy
@@ -401,7 +401,7 @@ class OffloadTier(NotCopyable):
 
     def note_estimate(self, skipped: torch.Tensor) -> None:
         """Add a fresh selection's estimated skipped shares ``skipped [B,H,R]`` (see
-        :func:`kvtier.offload.attention.estimated_skipped`) to ``stats.est_skipped_*``; warn (once
+        :func:`kvtier.attention.offloaded.estimated_skipped`) to ``stats.est_skipped_*``; warn (once
         per message, Python's default filter) when a call's mean share exceeds
         :data:`BUDGET_WARN_SHARE`: the read budget, not the mass rule, then decides the output."""
         st = self.stats

@@ -32,6 +32,9 @@ import torch
 SCALE_EPS = 2.0**-20
 #: ``|zero|`` stays below this, so its fp16 rounding error is at most 1/8 of a step.
 ZERO_MAX = 512.0
+#: A scale is rounded up by this relative amount (one fp16 step at 1) before its fp16 cast, so the
+#: stored grid still spans the group.
+SCALE_ROUND = 2.0**-10
 
 
 def _valid_fill(x: torch.Tensor, valid: torch.Tensor | None, fill: float) -> torch.Tensor:
@@ -87,7 +90,7 @@ def fit_scale_zero(mn: torch.Tensor, mx: torch.Tensor, bits: int) -> tuple[torch
     amax = torch.maximum(mn.abs(), mx.abs())
     scale = torch.maximum((mx - mn) / qmax, amax / ZERO_MAX).clamp_min(SCALE_EPS)
     # Round the scale up into fp16 so the stored grid still spans [mn, mx].
-    scale_h = (scale * (1 + 2.0**-10)).to(torch.float16)
+    scale_h = (scale * (1 + SCALE_ROUND)).to(torch.float16)
     zero_h = (-mn / scale_h.float()).to(torch.float16)
     return scale_h, zero_h
 

@@ -17,7 +17,7 @@ write-through block files with crc32; :mod:`.blocks`: the record format; :mod:`.
 kept). This package owns all of it and may import torch, vLLM (only :mod:`.spec`,
 :mod:`.backend`, :class:`.prefill.VllmPrefill` when made, and :func:`kv_transfer_config` /
 :func:`attention_backend` when called),
-``kvtier.cache.codecs``, ``kvtier.quant``, ``kvtier.errors``, ``kvtier.kernels``; never
+``kvtier.codecs``, ``kvtier.quant``, ``kvtier.errors``, ``kvtier.kernels``; never
 transformers or ``kvtier.hf``. ``import kvtier`` never imports this package.
 """
 

@@ -31,6 +31,7 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder, A
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from ..codecs.pages import PageFormat
 from ..kernels import vllm_paged_cpu
 from ..quant.rotation import rotation
 from .paged import (
@@ -42,7 +43,7 @@ from .paged import (
     update_layer,
     update_layer_fused,
 )
-from .pages import _PREFIX, CONFIG_KEY, SELECT, PageFormat, PagePolicy, get_page_policy, parse_policy_name, policy_name
+from .pages import _PREFIX, CONFIG_KEY, SELECT, PagePolicy, get_page_policy, parse_policy_name, policy_name
 from .prefill import PrefillPlan, VllmPrefill
 
 _SIDES: weakref.WeakSet[SideBuffer] = weakref.WeakSet()

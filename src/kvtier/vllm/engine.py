@@ -21,7 +21,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any
 
-from .pages import CONFIG_KEY, SELECT, PageFormat, PagePolicy, get_page_policy, policy_name
+from ..codecs.pages import PageFormat
+from .pages import CONFIG_KEY, SELECT, PagePolicy, get_page_policy, policy_name
 
 #: class path of the per-engine backend selector (:func:`kvtier.vllm.backend.selected_backend`)
 SELECT_PATH = f"kvtier.vllm.backend.{SELECT}"

@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention.partials import Partial, merge
+from ..codecs.pages import PageFormat
 from ..errors import KVTierError
-from .pages import SPARSE_MAX_QUERY, PageFormat
+from .pages import SPARSE_MAX_QUERY
 
 
 class SideSlotLost(KVTierError):

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..codecs.pages import PageFormat
 from ..kernels import prefill_cpu
 from .paged import RequestPlan, StepPlan, kernel_index
-from .pages import PageFormat
 
 
 @dataclass
@@ -56,7 +56,7 @@ class PrefillPlan:
 def decode_rows(fmt: PageFormat, pages: torch.Tensor, ids: list[int], dtype: torch.dtype):  # noqa: ANN201
     """Token-major ``k, v [len(ids) * T, H, D]`` in ``dtype`` of pages ``ids``: the C++ decoder
     (:func:`kvtier.kernels.vllm_paged_cpu.decode`, ``PagePolicy.kernel_codes``) or
-    :meth:`PageFormat.decode` (the same values)."""
+    :meth:`~kvtier.codecs.pages.PageFormat.decode` (the same values)."""
     from ..kernels import vllm_paged_cpu
 
     n, T, H, D = len(ids), fmt.tokens, fmt.heads, fmt.head_dim

@@ -13,7 +13,7 @@ no threshold, no query length and no availability probe of another backend.
 * :mod:`.triton` - the Triton kernels (:mod:`kvtier.kernels.dispatch`), CUDA or Triton's CPU
   interpreter; imported only when the plan picks it, so CPU use never imports Triton.
 
-May import: torch, ``kvtier.attention.partials`` / ``.sparse``, ``kvtier.cache.codecs``,
+May import: torch, ``kvtier.attention.partials`` / ``.sparse``, ``kvtier.codecs``,
 ``kvtier.kernels``, ``kvtier.quant``, ``kvtier.indexing``. Never ``kvtier.attention.plan``,
 ``.tiered`` or ``kvtier.hf``.
 """

@@ -63,7 +63,7 @@ class Backend:
     exact_segments : :meth:`exact` is its own (else the plan gives sinks and hot to torch).
     layer_call : it has a fused whole-layer call (:meth:`layer`).
     one_width_only : its per-tier kernel reads one code width for keys and values and fp16 / fp32
-        parameters (a :class:`~kvtier.cache.codecs.MixedCodec` with two widths or fp8 parameters
+        parameters (a :class:`~kvtier.codecs.MixedCodec` with two widths or fp8 parameters
         goes to the plan's chunk-wise torch backend instead: :meth:`reads`).
     """
 

@@ -266,7 +266,7 @@ struct Exact {
 };
 
 // Affine metadata as stored (kind 0 fp32, 1 fp16, 3 fp8 e4m3fn), x = a * code + b with (a, b) from the two stored
-// parameters (p1, p2) by the codec's mode (kvtier.cache.codecs.AFFINE_MODES): 0 "ab" a = p1, b = p2;
+// parameters (p1, p2) by the codec's mode (kvtier.codecs.AFFINE_MODES): 0 "ab" a = p1, b = p2;
 // 1 "scale_zero" (k-bit) a = p1, b = -p1 * p2; 2 "scale_mean" (sign) a = 2 p1, b = p2 - p1.
 struct Meta {
   const void *s, *z;

@@ -1,4 +1,4 @@
-// Codes of kvtier's packed vLLM pages (kvtier/vllm/pages.py) and the bf16 hi + lo split of a row scored
+// Codes of kvtier's packed vLLM pages (kvtier/codecs/pages.py) and the bf16 hi + lo split of a row scored
 // against them, shared by the page and prefill kernels.
 #pragma once
 #include <c10/util/Exception.h>

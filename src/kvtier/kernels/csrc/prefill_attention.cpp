@@ -13,7 +13,7 @@
 // D in {64, 128}. Tasks run on torch's threads (built with OpenMP: kvtier/kernels/build.py), early
 // and late query tiles interleaved so that causal work splits evenly.
 // prefill_attend_paged: the same with the first P keys read from kvtier's packed vLLM pages (4-bit
-// keys per channel, 4- or 3-bit values per token: kvtier/vllm/pages.py) and the rest exact. Codes
+// keys per channel, 4- or 3-bit values per token: kvtier/codecs/pages.py) and the rest exact. Codes
 // are exact in bf16, so they are packed like exact keys and values, and the scales move to the other
 // operand: a packed key block is scored with q_d * s_d split into bf16 hi + lo (exact to ~2^-17 of
 // it) minus sum_d q_d s_d z_d; a packed value is read as its centred code c - h (h = 2^(vb-1), exact

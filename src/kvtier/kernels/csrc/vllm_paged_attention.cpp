@@ -1,4 +1,4 @@
-// One layer of one vLLM step over kvtier's packed pages (kvtier/vllm/pages.py), in two calls:
+// One layer of one vLLM step over kvtier's packed pages (kvtier/codecs/pages.py), in two calls:
 //
 // vllm_paged_attend: attention of each request's new tokens over its packed blocks (block table)
 //   and its exact tokens, read in place in the model dtype: the side buffer's rows of its partly
@@ -37,6 +37,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "codec_constants.h"
 #include "page_codes.h"
 #include "simd_exp.h"
 
@@ -766,14 +767,16 @@ void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Ten
 }
 
 // kvtier.quant.fit_scale_zero for one group: fp16 bits of (scale, zero) from fp32 min / max
-// (mn > mx: a group without valid entries). The same fp32 operations, so the same fp16 values.
+// (mn > mx: a group without valid entries). The same fp32 operations, so the same fp16 values; its
+// constants (ZERO_MAX, SCALE_EPS, SCALE_ROUND) come from Python (codec_constants.h, kvtier.codecs.constants).
 inline void fit_scale_zero(float mn, float mx, float qmax, uint16_t& scale_h, uint16_t& zero_h, float& scale,
                            float& zero) {
+  using namespace kvtier_codec;
   if (mn > mx) mn = mx = 0.f;
   const float amax = std::max(std::fabs(mn), std::fabs(mx));
-  float s = std::max((mx - mn) / qmax, amax / 512.f);
-  s = std::max(s, 9.5367431640625e-07f);  // SCALE_EPS = 2**-20
-  scale_h = float_to_half_bits(s * (1.f + 0.0009765625f));
+  float s = std::max((mx - mn) / qmax, amax / kZeroMax);
+  s = std::max(s, kScaleEps);
+  scale_h = float_to_half_bits(s * (1.f + kScaleRound));
   scale = half_to_float(scale_h);
   zero_h = float_to_half_bits(-mn / scale);
   zero = half_to_float(zero_h);

@@ -30,15 +30,15 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.mask import KVMask
-from ..attention.partials import Partial, exact_partial, from_rows, merge, to_rows
-from ..attention.plan import AttentionPlan, ChunkPlan, plan_for
 from ..cache.state import LayerState
 from ..indexing import hot_rows_allowed
 from ..kernels import fused_cpu
+from ..offload.sketch import KeySketch, block_lse, block_lse_torch, expand, nonempty, query_rows, unpack_valid
+from ..offload.tier import OffloadTier
 from ..policy import OffloadPolicy
-from .sketch import KeySketch, block_lse, block_lse_torch, expand, nonempty, query_rows, unpack_valid
-from .tier import OffloadTier
+from .mask import KVMask
+from .partials import Partial, exact_partial, from_rows, merge, to_rows
+from .plan import AttentionPlan, ChunkPlan, plan_for
 
 
 def select_offloaded(
