@@ -380,7 +380,9 @@ def offload_attention(
         outs = []
         for c in plan.chunks:
             q_pos = first + torch.arange(c.start, c.stop, device=query.device)
-            outs.append(_attend(layer, query[:, :, c.start : c.stop], q_pos, padding, scaling, c, plan.selection == "dense"))
+            outs.append(
+                _attend(layer, query[:, :, c.start : c.stop], q_pos, padding, scaling, c, plan.selection == "dense")
+            )
     finally:
         tier.end_step()
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

@@ -144,7 +144,9 @@ class TieredCache(Cache):
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         for p in set(policies.values()):
             if not p.is_exact:
-                value_group(p, head_dim)  # a group size head_dim refuses: the one-line error here, not at the first call
+                value_group(
+                    p, head_dim
+                )  # a group size head_dim refuses: the one-line error here, not at the first call
         offloading = [p.offload for p in policies.values() if p.cold == "offload" and not p.is_exact]
         if max_bytes is not None and on_full in ("evict", "degrade") and offloading:
             raise ValueError(

@@ -73,7 +73,14 @@ class TorchBackend(Backend):
 
         if self.chunked or codec.AFFINE is None:
             part = chunked_partial(
-                rows, fields, codec, dim, block_mask, select, chunk_tokens=self.chunk_tokens, flash=self.flash,
+                rows,
+                fields,
+                codec,
+                dim,
+                block_mask,
+                select,
+                chunk_tokens=self.chunk_tokens,
+                flash=self.flash,
                 flash_dtype=self.flash_dtype,
             )
         else:
