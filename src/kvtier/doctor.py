@@ -492,114 +492,25 @@ def diagnose(
     """
     from tqdm.auto import tqdm
 
-    from .hf import TieredCache, enable
-
     rule = rule or LeakRule()
     warmup = max(5, calls // 5) if warmup is None else warmup
     if warmup < 0 or calls - warmup < 8:
         raise ValueError(f"calls={calls}, warmup={warmup}: need at least 8 calls after the warm-up")
-    if isinstance(tokenizer_or_input_ids, torch.Tensor):
-        ids = tokenizer_or_input_ids
-        ids = ids[None] if ids.dim() == 1 else ids
-    else:
-        ids, _ = prompt_ids(tokenizer_or_input_ids, prompt_tokens)
-    device = next(iter(model.parameters())).device
-    ids = ids.to(device)
+    ids = _prompt(model, tokenizer_or_input_ids, prompt_tokens)
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if reuse and limit is not None and ids.shape[1] + calls * new_tokens > limit:
         raise ValueError(
             f"reuse: {ids.shape[1]} prompt + {calls} x {new_tokens} new tokens exceed the model's {limit} positions"
         )
     make, name = _factory(preset, model)
-    step = loop or generate_step(new_tokens)
-    cuda = _on_cuda(model)
-
     # the bar first: tqdm starts its process-wide monitor thread with the first bar
     bar = tqdm(range(calls), desc=f"doctor {name}", unit="call", disable=not progress, file=sys.stderr)
-    threads0, fds0, maps0 = _threads(), open_fds(), set(kv_maps())
-    if cuda:
-        torch.cuda.synchronize(device)
-        cuda0 = torch.cuda.memory_allocated(device)
-    baseline = rss_bytes()
-    alive: list[weakref.ref] = []
-    dirs: list[str] = []
-    autograd: list[str] = []
-    rows: list[CallRow] = []
-    resident: list[int] = []
-    enabled = False
-    cache = None
-    inputs = ids
-
-    def close_last() -> None:  # the reused cache, or the current one when a step raised
-        if cache is not None:
-            _close(cache)
-
+    run = _CallLoop(model, ids, make, loop or generate_step(new_tokens), reuse, collect)
     with contextlib.ExitStack() as stack:
-        stack.callback(close_last)
+        stack.callback(run.close_last)
         for i in bar:
-            t0 = time.perf_counter()
-            if cache is None:
-                cache = make()
-                alive.append(weakref.ref(cache))
-                dirs.extend(d for d in _offload_dirs(cache) if d not in dirs)
-                if isinstance(cache, TieredCache) and not enabled:
-                    stack.enter_context(enable(model))
-                    enabled = True
-            out = step(model, inputs, cache)
-            seconds = time.perf_counter() - t0
-            if reuse and isinstance(out, torch.Tensor):
-                inputs = out
-            found = autograd_tensors(cache)
-            autograd.extend(f"call {i} {f}" for f in found[: max(0, 20 - len(autograd))])
-            this_bytes = _cache_bytes(cache)[0]
-            if not reuse:
-                t1 = time.perf_counter()
-                _close(cache)
-                cache = None
-                seconds += time.perf_counter() - t1
-            if collect:
-                gc.collect()
-            live = [c for c in (r() for r in alive) if c is not None]
-            alive = [weakref.ref(c) for c in live]
-            held = [_cache_bytes(c) for c in live]
-            del live
-            rss = rss_bytes()
-            row = CallRow(
-                call=i,
-                seconds=seconds,
-                rss_bytes=rss,
-                cache_bytes=this_bytes,
-                caches_alive=len(held),
-                alive_cache_bytes=sum(h[0] for h in held),
-                unexplained_bytes=rss - baseline - sum(h[0] for h in held),
-                threads=len(_threads()),
-                fds=_fd_count(),
-            )
-            if cuda:
-                torch.cuda.synchronize(device)
-                row.cuda_allocated = torch.cuda.memory_allocated(device)
-                row.cuda_reserved = torch.cuda.memory_reserved(device)
-                resident.append(sum(h[1] for h in held))  # resident tiers live on the device
-            rows.append(row)
-
-    threads1, fds1, maps1 = _threads(), open_fds(), kv_maps()
-    files_left = []
-    for d in dirs:
-        if os.path.exists(d):
-            entries = sorted(os.listdir(d)) if os.path.isdir(d) else []
-            files_left.append(d + (f" ({', '.join(entries)})" if entries else " (empty)"))
-    window = rows[warmup:]
-    unexplained = np.array([r.unexplained_bytes for r in window], dtype=np.float64)
-    rss = np.array([r.rss_bytes for r in window], dtype=np.float64)
-    rss_trend = leak_trend(unexplained, float(np.median(rss[:5])), rule)
-    cuda_trend = None
-    summary = None
-    if cuda:
-        dev = [(r.cuda_allocated or 0) - cuda0 - b for r, b in zip(window, resident[warmup:])]
-        cuda_trend = leak_trend(np.array(dev, dtype=np.float64), float(max(cuda0, 1)), rule)
-        summary = torch.cuda.memory_summary(device)
-    verdict = LEAK if LEAK in (rss_trend.verdict, getattr(cuda_trend, "verdict", None)) else NO_LEAK
-    return DoctorReport(
+            run.call(i, stack)
+    return run.report(
         preset=name,
         calls=calls,
         warmup=warmup,
@@ -607,21 +518,141 @@ def diagnose(
         prompt_tokens=int(ids.shape[1]),
         reuse=reuse,
         collect=collect,
-        baseline_rss=baseline,
-        rows=rows,
-        verdict=verdict,
-        rss=rss_trend,
-        cuda=cuda_trend,
-        rss_drift_pct=_drift_pct(rss),
-        autograd=autograd,
-        threads_left=[f"{n} ({ident})" for ident, n in threads1.items() if ident not in threads0],
-        fds_left=sorted({f"{fd} -> {t}" for fd, t in fds1.items() if fds0.get(fd) != t}),
-        files_left=files_left,
-        maps_left=[m for m in maps1 if m not in maps0],
-        offload_dirs=dirs,
-        cuda_summary=summary,
         rule=rule,
     )
+
+
+def _prompt(model: Any, tokenizer_or_input_ids: Any, prompt_tokens: int) -> torch.Tensor:
+    """The prompt ids ``[B, T]`` on the model's device."""
+    if isinstance(tokenizer_or_input_ids, torch.Tensor):
+        ids = tokenizer_or_input_ids
+        ids = ids[None] if ids.dim() == 1 else ids
+    else:
+        ids, _ = prompt_ids(tokenizer_or_input_ids, prompt_tokens)
+    return ids.to(next(iter(model.parameters())).device)
+
+
+class _CallLoop:
+    """:func:`diagnose`'s serving loop: what the process held before, one measured row per call,
+    what it holds after (threads, descriptors, mappings, folders)."""
+
+    def __init__(self, model: Any, ids: torch.Tensor, make: Callable[[], Any], step: Loop, reuse: bool, collect: bool):
+        self.model, self.make, self.step, self.reuse, self.collect = model, make, step, reuse, collect
+        self.inputs = ids
+        self.cuda = _on_cuda(model)
+        self.device = ids.device
+        self.threads0, self.fds0, self.maps0 = _threads(), open_fds(), set(kv_maps())
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self.cuda0 = torch.cuda.memory_allocated(self.device)
+        self.baseline = rss_bytes()
+        self.alive: list[weakref.ref] = []
+        self.dirs: list[str] = []
+        self.autograd: list[str] = []
+        self.rows: list[CallRow] = []
+        self.resident: list[int] = []
+        self.enabled = False
+        self.cache = None
+
+    def close_last(self) -> None:
+        """Close the reused cache, or the current one when a step raised."""
+        if self.cache is not None:
+            _close(self.cache)
+
+    def call(self, i: int, stack: contextlib.ExitStack) -> None:
+        """Run call ``i`` (a fresh cache unless reused) and append its row."""
+        from .hf import TieredCache, enable
+
+        t0 = time.perf_counter()
+        if self.cache is None:
+            self.cache = self.make()
+            self.alive.append(weakref.ref(self.cache))
+            self.dirs.extend(d for d in _offload_dirs(self.cache) if d not in self.dirs)
+            if isinstance(self.cache, TieredCache) and not self.enabled:
+                stack.enter_context(enable(self.model))
+                self.enabled = True
+        out = self.step(self.model, self.inputs, self.cache)
+        seconds = time.perf_counter() - t0
+        if self.reuse and isinstance(out, torch.Tensor):
+            self.inputs = out
+        found = autograd_tensors(self.cache)
+        self.autograd.extend(f"call {i} {f}" for f in found[: max(0, 20 - len(self.autograd))])
+        this_bytes = _cache_bytes(self.cache)[0]
+        if not self.reuse:
+            t1 = time.perf_counter()
+            _close(self.cache)
+            self.cache = None
+            seconds += time.perf_counter() - t1
+        self.rows.append(self._measure(i, seconds, this_bytes))
+
+    def _measure(self, i: int, seconds: float, this_bytes: int) -> CallRow:
+        """Memory after a call: RSS, the caches still alive and what they explain."""
+        if self.collect:
+            gc.collect()
+        live = [c for c in (r() for r in self.alive) if c is not None]
+        self.alive = [weakref.ref(c) for c in live]
+        held = [_cache_bytes(c) for c in live]
+        del live
+        rss = rss_bytes()
+        row = CallRow(
+            call=i,
+            seconds=seconds,
+            rss_bytes=rss,
+            cache_bytes=this_bytes,
+            caches_alive=len(held),
+            alive_cache_bytes=sum(h[0] for h in held),
+            unexplained_bytes=rss - self.baseline - sum(h[0] for h in held),
+            threads=len(_threads()),
+            fds=_fd_count(),
+        )
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            row.cuda_allocated = torch.cuda.memory_allocated(self.device)
+            row.cuda_reserved = torch.cuda.memory_reserved(self.device)
+            self.resident.append(sum(h[1] for h in held))  # resident tiers live on the device
+        return row
+
+    def _files_left(self) -> list[str]:
+        out = []
+        for d in self.dirs:
+            if os.path.exists(d):
+                entries = sorted(os.listdir(d)) if os.path.isdir(d) else []
+                out.append(d + (f" ({', '.join(entries)})" if entries else " (empty)"))
+        return out
+
+    def report(self, *, warmup: int, rule: LeakRule, **fields: Any) -> DoctorReport:
+        """Trends over the calls after the warm-up, the verdict and what was left behind."""
+        threads1, fds1, maps1 = _threads(), open_fds(), kv_maps()
+        files_left = self._files_left()
+        window = self.rows[warmup:]
+        unexplained = np.array([r.unexplained_bytes for r in window], dtype=np.float64)
+        rss = np.array([r.rss_bytes for r in window], dtype=np.float64)
+        rss_trend = leak_trend(unexplained, float(np.median(rss[:5])), rule)
+        cuda_trend = None
+        summary = None
+        if self.cuda:
+            dev = [(r.cuda_allocated or 0) - self.cuda0 - b for r, b in zip(window, self.resident[warmup:])]
+            cuda_trend = leak_trend(np.array(dev, dtype=np.float64), float(max(self.cuda0, 1)), rule)
+            summary = torch.cuda.memory_summary(self.device)
+        verdict = LEAK if LEAK in (rss_trend.verdict, getattr(cuda_trend, "verdict", None)) else NO_LEAK
+        return DoctorReport(
+            **fields,
+            warmup=warmup,
+            baseline_rss=self.baseline,
+            rows=self.rows,
+            verdict=verdict,
+            rss=rss_trend,
+            cuda=cuda_trend,
+            rss_drift_pct=_drift_pct(rss),
+            autograd=self.autograd,
+            threads_left=[f"{n} ({ident})" for ident, n in threads1.items() if ident not in self.threads0],
+            fds_left=sorted({f"{fd} -> {t}" for fd, t in fds1.items() if self.fds0.get(fd) != t}),
+            files_left=files_left,
+            maps_left=[m for m in maps1 if m not in self.maps0],
+            offload_dirs=self.dirs,
+            cuda_summary=summary,
+            rule=rule,
+        )
 
 
 # --- plot --------------------------------------------------------------------------------------

@@ -430,17 +430,21 @@ class TierPolicy:
     adaptive: AdaptivePolicy | None = None
 
     def __post_init__(self) -> None:
+        self._check_sizes()
+        self._check_codes()
+        self._check_offload()
+        self._check_cold_values()
+        self._check_adaptive_and_sparse()
+        overrides = self._checked_overrides()
+        object.__setattr__(self, "layer_overrides", overrides)  # frozen dataclass: set once, here
+
+    def _check_sizes(self) -> None:
+        """Token counts and the value group: integers in range, warm a whole number of blocks."""
         _check_count("hot_tokens", self.hot_tokens, allow_none=True, maximum=MAX_HOT_TOKENS)
         _check_count("warm_tokens", self.warm_tokens, allow_none=True, maximum=MAX_WARM_TOKENS)
         _check_count("sink_tokens", self.sink_tokens, allow_none=False, maximum=MAX_SINK_TOKENS)
         _check_count("block_tokens", self.block_tokens, allow_none=False, minimum=1, maximum=MAX_BLOCK_TOKENS)
         _check_count("value_group_size", self.value_group_size, allow_none=False, minimum=1, maximum=MAX_GROUP)
-        _check_choice("warm_bits", self.warm_bits, WARM_BITS)
-        _check_choice("cold", self.cold, COLD_MODES)
-        _check_choice("cold_bits", self.cold_bits, COLD_BITS)
-        _check(isinstance(self.cold_rotation, bool), "cold_rotation", self.cold_rotation, "a bool")
-        _check_choice("exact_dtype", self.exact_dtype, EXACT_DTYPES)
-        _check(isinstance(self.name, str) and self.name != "", "name", self.name, "a non-empty str")
         if self.warm_tokens is not None:
             _check(
                 self.warm_tokens % self.block_tokens == 0,
@@ -448,13 +452,24 @@ class TierPolicy:
                 self.warm_tokens,
                 f"a multiple of block_tokens={self.block_tokens}",
             )
+
+    def _check_codes(self) -> None:
+        """The codes of each tier, the exact dtype, the name and the sparse policy's type."""
+        _check_choice("warm_bits", self.warm_bits, WARM_BITS)
+        _check_choice("cold", self.cold, COLD_MODES)
+        _check_choice("cold_bits", self.cold_bits, COLD_BITS)
+        _check(isinstance(self.cold_rotation, bool), "cold_rotation", self.cold_rotation, "a bool")
+        _check_choice("exact_dtype", self.exact_dtype, EXACT_DTYPES)
+        _check(isinstance(self.name, str) and self.name != "", "name", self.name, "a non-empty str")
         _check(
             self.sparse is None or isinstance(self.sparse, SparsePolicy),
             "sparse",
             self.sparse,
             "a SparsePolicy or None",
         )
-        self._check_offload()
+
+    def _check_cold_values(self) -> None:
+        """Mixed cold codes (values of their own width, parameter dtype) only over integer cold keys."""
         _check(
             self.cold_value_bits is None
             or (self.cold_value_bits in (1, 2, 3, 4, 6, 8) and _is_int(self.cold_value_bits)),
@@ -470,6 +485,9 @@ class TierPolicy:
             self.cold_value_bits,
             "None with cold_meta='fp16' unless cold='quant' with integer cold_bits",
         )
+
+    def _check_adaptive_and_sparse(self) -> None:
+        """An adaptive budget needs quantized cold tiers and a hot window; sparse selection reads affine codes."""
         _check(
             self.adaptive is None or isinstance(self.adaptive, AdaptivePolicy),
             "adaptive",
@@ -485,15 +503,18 @@ class TierPolicy:
         if self.sparse is not None and self.hot_tokens is not None:
             fp8 = self.warm_bits == "fp8" or (self.cold == "quant" and self.cold_bits == "fp8")
             _check(not fp8, "sparse", self.sparse, "None with an fp8 tier (sparse selection reads affine codes only)")
+
+    def _checked_overrides(self) -> LayerOverrides:
+        """A snapshot of ``layer_overrides`` (later edits of the caller's dict do nothing), each checked."""
         _check(isinstance(self.layer_overrides, Mapping), "layer_overrides", self.layer_overrides, "a dict")
-        overrides = LayerOverrides(self.layer_overrides)  # a snapshot: later edits of the caller's dict do nothing
+        overrides = LayerOverrides(self.layer_overrides)
         for idx, sub in overrides.items():
             _check(isinstance(idx, int) and not isinstance(idx, bool), "layer_overrides key", idx, "an int")
             if isinstance(sub, str):
                 _check(sub in PRESETS, f"layer_overrides[{idx}]", sub, f"a preset name in {sorted(PRESETS)}")
             else:
                 _check(isinstance(sub, TierPolicy), f"layer_overrides[{idx}]", sub, "a TierPolicy or preset name")
-        object.__setattr__(self, "layer_overrides", overrides)  # frozen dataclass: set once, here
+        return overrides
 
     def _check_offload(self) -> None:
         if self.cold != "offload":

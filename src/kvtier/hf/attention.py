@@ -37,6 +37,12 @@ def register() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, kvtier_mask)
 
 
+def attn_implementation(config) -> str | None:  # noqa: ANN001
+    """The attention implementation a transformers config selects: transformers keeps it in the
+    private ``config._attn_implementation``, read here and nowhere else in kvtier."""
+    return getattr(config, "_attn_implementation", None)
+
+
 class enable:
     """Switch ``model`` to kvtier attention; undo with :func:`disable` or by leaving the ``with``.
 
@@ -50,7 +56,7 @@ class enable:
         register()
         self.model = model
         with _LOCK:
-            current = model.config._attn_implementation
+            current = attn_implementation(model.config)
             if current != ATTENTION_NAME:  # also when switched away inside an open enable
                 model.set_attn_implementation(ATTENTION_NAME)
             entry = _PREVIOUS.get(model)
@@ -76,5 +82,5 @@ def disable(model: PreTrainedModel) -> None:
         entry[1] -= 1
         if entry[1] <= 0:
             del _PREVIOUS[model]
-            if model.config._attn_implementation != entry[0]:
+            if attn_implementation(model.config) != entry[0]:
                 model.set_attn_implementation(entry[0])

@@ -66,6 +66,7 @@ from ..diagnostics import MemoryReport, memory_report
 from ..errors import CacheFullError, KVTierError
 from ..policy import TierPolicy, get_policy
 from ..stats import OffloadStats, SparseStats, tensor_bytes
+from .attention import attn_implementation
 from .layer import TieredLayer
 
 ON_FULL = ("error", "evict", "degrade")
@@ -228,7 +229,7 @@ class TieredCache(Cache):
     def check_attention(self) -> None:
         """Raise unless the model's config (if the cache was built from it) selects kvtier attention
         (not checked on an unpickled cache, whose config is a copy: the mask check remains)."""
-        impl = getattr(self.config, "_attn_implementation", None) if self._config_is_live else None
+        impl = attn_implementation(self.config) if self._config_is_live else None
         if impl is not None and impl != ATTENTION_NAME:
             raise KVTierError(
                 f"TieredCache reads its compressed tiers in kvtier's attention, but the model uses {impl!r}: "
