@@ -494,11 +494,8 @@ def _common(p: argparse.ArgumentParser, contexts: str) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV cache for transformers")
-    parser.add_argument("--traceback", action="store_true", help="show the full traceback when a command fails")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_plan(sub: Any) -> None:
+    """``kvtier plan``."""
     p = sub.add_parser("plan", help="bytes per tier for a model, sequence length and policy")
     p.add_argument("--model", required=True, help="built-in name or path to config.json")
     p.add_argument("--seq-len", type=_positive, required=True)
@@ -514,6 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     p.set_defaults(fn=cmd_plan)
 
+
+def _add_demo(sub: Any) -> None:
+    """``kvtier demo``."""
     d = sub.add_parser(
         "demo",
         help="a built-in model offline (scripts/demo.sh: Qwen2.5-Coder-1.5B): full cache vs a preset on a long "
@@ -530,6 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--threads", type=_threads, default=max(1, min(2, torch.get_num_threads())))
     d.set_defaults(fn=cmd_demo)
 
+
+def _add_eval(sub: Any) -> None:
+    """``kvtier eval ppl|fidelity|recall``."""
     e = sub.add_parser("eval", help="streamed perplexity, long-range recall, logit fidelity")
     esub = e.add_subparsers(dest="task", required=True)
     for task, helptext in (
@@ -562,6 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
                 t.add_argument("--fidelity-out", help="also write the fidelity results of the same run here")
         t.set_defaults(fn=cmd_eval)
 
+
+def _add_bench(sub: Any) -> None:
+    """``kvtier bench``."""
     b = sub.add_parser("bench", help="decode tokens/s, prefill time, KV bytes, peak RSS")
     _common(b, "2k,4k,8k")
     b.add_argument("--new-tokens", type=_positive, default=32)
@@ -575,6 +581,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.set_defaults(fn=cmd_bench)
 
+
+def _add_report_and_models(sub: Any) -> None:
+    """``kvtier report`` and ``kvtier models list|install``."""
     r = sub.add_parser("report", help="results JSON files -> markdown report with plots")
     r.add_argument("results", nargs="+")
     r.add_argument("-o", "--output", default="report.md")
@@ -587,6 +596,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     mi.add_argument("name", choices=sorted(PARTED))
     m.set_defaults(fn=cmd_models)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV cache for transformers")
+    parser.add_argument("--traceback", action="store_true", help="show the full traceback when a command fails")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_plan, _add_demo, _add_eval, _add_bench, _add_report_and_models):
+        add(sub)
     from .doctor import add_parser as add_doctor
 
     add_doctor(sub)
