@@ -75,51 +75,66 @@ def run_stream(
             for cache_name, cache in built.items():
                 if getattr(getattr(cache, "policy", None), "sparse", None) is not None:
                     sparse.setdefault(cache_name, SparseStats()).add(cache.sparse_stats())
-            for cache, sc in scores.items():
-                t = totals.setdefault(
-                    cache, {"nll": 0.0, "kl": 0.0, "top1": 0, "tokens": 0, "kv_bytes": 0, "resident_bytes": 0}
-                )
-                t["nll"] += sc.nll
-                t["kl"] += sc.kl
-                t["top1"] += sc.top1_agree
-                t["tokens"] += sc.tokens
-                t["kv_bytes"] = max(t["kv_bytes"], sc.kv_bytes)
-                t["resident_bytes"] = max(t["resident_bytes"], sc.resident_bytes)
-        base = totals["dynamic"]
-        base_ppl = float(torch.tensor(base["nll"] / base["tokens"]).exp())
-        fp16 = dense_fp16_bytes(model, ctx - 1)
-        for cache, t in totals.items():
-            ppl = float(torch.tensor(t["nll"] / t["tokens"]).exp())
-            ppl_rows.append(
-                {
-                    "cache": cache,
-                    "text": name,
-                    "context": ctx,
-                    "windows": windows,
-                    "tokens_scored": t["tokens"],
-                    "ppl": ppl,
-                    "dppl_pct": 100 * (ppl / base_ppl - 1),
-                    "kv_bytes": t["kv_bytes"],
-                    "dense_fp16_bytes": fp16,
-                    "bytes_per_token": t["kv_bytes"] / (ctx - 1),
-                    "kv_ratio_fp16": t["kv_bytes"] / fp16,
-                    "resident_bytes": t["resident_bytes"],
-                    "resident_ratio_fp16": t["resident_bytes"] / fp16,
-                    **({"sparse": sparse[cache].to_dict()} if cache in sparse else {}),
-                }
-            )
-            fid_rows.append(
-                {
-                    "cache": cache,
-                    "text": name,
-                    "context": ctx,
-                    "kl": t["kl"] / t["tokens"],
-                    "top1": t["top1"] / t["tokens"],
-                    "tokens_scored": t["tokens"],
-                }
-            )
+            _add_scores(totals, scores)
+        ppl, fid = _stream_rows(totals, sparse, name, ctx, windows, dense_fp16_bytes(model, ctx - 1))
+        ppl_rows += ppl
+        fid_rows += fid
         if checkpoint is not None:
             checkpoint(ppl_rows, fid_rows)
+    return ppl_rows, fid_rows
+
+
+def _add_scores(totals: dict[str, dict[str, float]], scores: dict[str, Any]) -> None:
+    """Add one window's scores per cache to the running totals (bytes: the largest seen)."""
+    for cache, sc in scores.items():
+        t = totals.setdefault(
+            cache, {"nll": 0.0, "kl": 0.0, "top1": 0, "tokens": 0, "kv_bytes": 0, "resident_bytes": 0}
+        )
+        t["nll"] += sc.nll
+        t["kl"] += sc.kl
+        t["top1"] += sc.top1_agree
+        t["tokens"] += sc.tokens
+        t["kv_bytes"] = max(t["kv_bytes"], sc.kv_bytes)
+        t["resident_bytes"] = max(t["resident_bytes"], sc.resident_bytes)
+
+
+def _stream_rows(
+    totals: dict[str, dict[str, float]], sparse: dict[str, Any], name: str, ctx: int, windows: int, fp16: int
+) -> tuple[list[dict], list[dict]]:
+    """Perplexity and fidelity rows of one (text, context) job, perplexity relative to ``dynamic``."""
+    base = totals["dynamic"]
+    base_ppl = float(torch.tensor(base["nll"] / base["tokens"]).exp())
+    ppl_rows, fid_rows = [], []
+    for cache, t in totals.items():
+        ppl = float(torch.tensor(t["nll"] / t["tokens"]).exp())
+        ppl_rows.append(
+            {
+                "cache": cache,
+                "text": name,
+                "context": ctx,
+                "windows": windows,
+                "tokens_scored": t["tokens"],
+                "ppl": ppl,
+                "dppl_pct": 100 * (ppl / base_ppl - 1),
+                "kv_bytes": t["kv_bytes"],
+                "dense_fp16_bytes": fp16,
+                "bytes_per_token": t["kv_bytes"] / (ctx - 1),
+                "kv_ratio_fp16": t["kv_bytes"] / fp16,
+                "resident_bytes": t["resident_bytes"],
+                "resident_ratio_fp16": t["resident_bytes"] / fp16,
+                **({"sparse": sparse[cache].to_dict()} if cache in sparse else {}),
+            }
+        )
+        fid_rows.append(
+            {
+                "cache": cache,
+                "text": name,
+                "context": ctx,
+                "kl": t["kl"] / t["tokens"],
+                "top1": t["top1"] / t["tokens"],
+                "tokens_scored": t["tokens"],
+            }
+        )
     return ppl_rows, fid_rows
 
 
