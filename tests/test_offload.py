@@ -310,7 +310,7 @@ def test_staged_blocks_are_attended_in_place(store_bits):
 
     def spy(union):
         sources = gather(union)
-        seen["sources"], seen["staged"] = sources, tier._staged
+        seen["sources"], seen["staged"] = sources, tier.staging.staged
         return sources
 
     tier.gather = spy

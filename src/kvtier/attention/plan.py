@@ -276,8 +276,8 @@ def _build(
     attention = layer.attention
     policy_sparse = layer.policy.sparse
     tiers = [t for t in (layer.cold, layer.warm) if t is not None]
-    offloaded = getattr(layer.cold, "is_offloaded", False)
-    affine = all(t.codec.AFFINE is not None for t in tiers if not getattr(t, "is_offloaded", False))
+    offloaded = layer.offloaded
+    affine = all(t.codec.AFFINE is not None for t in tiers if not t.is_offloaded)
     device = torch.device(device)
     if force is not None:
         check_force(force, device)
