@@ -16,12 +16,13 @@ Per query row (the ``Gq * q`` queries sharing a KV head) and call:
    select, so the result equals exact attention with the unselected blocks removed (up to fp32
    summation order), and with an unlimited budget it equals exact attention.
 
-The CPU decode path (:func:`_attend_kernel`, when the plan scores sketches in C++ and the records
-are exact) does steps 2-4 in two calls per layer (:mod:`kvtier.kernels.offload_cpu`): a
-*two-level* selection - a coarse per-block bound orders the blocks and only the blocks whose bound
-could still matter are scored from their sketch (``OffloadPolicy.coarse_tol``) - and exact
-attention reading each selected record where it lies in a host-RAM store (no gather copy), or in
-the buffers :meth:`OffloadTier.gather` read (disk, prefetch), merged with the resident part.
+The CPU decode path (:func:`_attend_kernel`, where the plan says so:
+:attr:`~kvtier.attention.plan.ChunkPlan.offload_kernel`, and ``offload_fused`` for sinks and hot)
+does steps 2-4 in two calls per layer (:mod:`kvtier.kernels.offload_cpu`): a *two-level*
+selection - a coarse per-block bound orders the blocks and only the blocks whose bound could still
+matter are scored from their sketch (``OffloadPolicy.coarse_tol``) - and exact attention reading
+each selected record where it lies in a host-RAM store (no gather copy), or in the buffers
+:meth:`OffloadTier.gather` read (disk, prefetch), merged with the resident part.
 A layer may reuse its previous selection for ``OffloadPolicy.reuse_every(n) - 1`` decode steps.
 Its references are :func:`select_two_level_torch` and :func:`attend_blocks_torch`.
 """
@@ -205,16 +206,6 @@ def attend_blocks_torch(
     return merge([prev, part]), lse
 
 
-def kernel_path(tier: OffloadTier, chunk: ChunkPlan) -> bool:
-    """Whether this call takes the C++ two-level path: few rows on the CPU (the plan's
-    ``sketch_kernel``), exact records and the kernels built."""
-    if not chunk.sketch_kernel or tier.layout.bits is not None or "k_amax" not in tier.fields:
-        return False
-    from ..kernels import offload_cpu
-
-    return tier.layout.dtype in offload_cpu.DTYPES and offload_cpu.available()
-
-
 def _attend_kernel(
     tier: OffloadTier,
     rows: torch.Tensor,
@@ -326,13 +317,7 @@ def _attend(
     rows = to_rows(query, H, scaling)
     tier = layer.cold
     parts: list[Partial] = []
-    fast = (
-        not dense
-        and tier.nblocks
-        and kernel_path(tier, chunk)
-        and fused_cpu.available()
-        and not (layer.warm and layer.warm.nblocks)
-    )
+    fast = not dense and tier.nblocks and chunk.offload_fused and not (layer.warm and layer.warm.nblocks)
     if layer.sinks.k is not None and not fast:
         parts.append(chunk.exact.exact(rows, layer.sinks.k, layer.sinks.v, layer.sinks.valid()[:, None, None, :]))
     if layer.warm is not None and layer.warm.nblocks:
@@ -353,7 +338,7 @@ def _attend(
         if tier.nblocks:
             parts += _cold_dense(tier, rows, chunk)
         return from_rows(merge(parts), Hq, q)
-    if tier.nblocks and kernel_path(tier, chunk):
+    if tier.nblocks and chunk.offload_kernel:
         lse_res = torch.stack([p.lse for p in parts]).logsumexp(0)
         return from_rows(_attend_kernel(tier, rows, q_pos.repeat(Hq // H), merge(parts), lse_res, layer.evicted), Hq, q)
     if tier.nblocks:
