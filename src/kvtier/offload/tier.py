@@ -11,8 +11,9 @@ When a block leaves the hot (or warm) tier it is split in two:
 
 Beam search and batch selection permute table rows; no data moves and records no row refers to
 any more are freed (vLLM-style, beam-safe). Attention (:mod:`kvtier.attention.offloaded`) chooses
-blocks from the sketches and :meth:`OffloadTier.gather` gets them, from what the prefetcher staged
-or synchronously from the store; :class:`OffloadStats` counts it.
+blocks from the sketches through :meth:`OffloadTier.select` (which reuses a kept selection where
+the policy allows) and :meth:`OffloadTier.sources` gets them, from what the prefetcher staged or
+synchronously from the store; :class:`OffloadStats` counts it.
 
 This module owns the storage moves (a :class:`~kvtier.tier.Tier`: push, truncate, drop_front,
 put_front, index_select, release) and the reads; two parts it composes own the rest: the
@@ -25,6 +26,7 @@ the prefetch in flight and the staged blocks). May import: torch, ``kvtier.offlo
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -40,6 +42,10 @@ from .staging import Staging
 from .store import BlockStore, NotCopyable, OffloadError, RecordError, store_capacity
 
 __all__ = ["BUDGET_WARN_SHARE", "OffloadTier", "planned_bytes"]
+
+#: What :meth:`OffloadTier.select` calls for a fresh selection: ``(keep [B,H,R,n], scores
+#: [B,H,R,n], blocks scored, estimated skipped share [B,H,R] or None)``.
+Fresh = Callable[[], tuple[torch.Tensor, torch.Tensor, int, "torch.Tensor | None"]]
 
 
 class OffloadTier(Tier, NotCopyable):
@@ -279,11 +285,37 @@ class OffloadTier(Tier, NotCopyable):
         kd, vd = self.layout.decode(data)  # [B*H*k, T, D]
         return kd.float().reshape(shape), vd.float().reshape(shape)
 
-    def gather(self, union: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def sources(self, union: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Exact K/V of every block in ``union: bool [B, H, n]``, as *sources* ``(blocks [B, H, k],
         k, v [B, H, k, T, D])``: the staged blocks in place, the others read synchronously
         (:meth:`kvtier.offload.staging.Staging.sources`)."""
         return self.staging.sources(union, self.read_blocks)
+
+    def select(self, B: int, H: int, R: int, fresh: Fresh, reuse: bool) -> torch.Tensor:
+        """The blocks each of ``R`` query rows per (row, KV head) attends: bool ``[B, H, R, n]``.
+
+        ``fresh()`` computes a new selection (attention's maths: sketch scores, the mass rule, the
+        budget) as ``(keep [B,H,R,n], scores [B,H,R,n], blocks scored, estimated skipped share
+        [B,H,R] or None)``. With ``reuse`` (the C++ decode path) the kept selection is returned
+        instead while ``OffloadPolicy.reuse_every`` allows, a fresh one is kept for the next steps,
+        and the prediction is recorded only when prefetching; without, every call is fresh and
+        predicts. The selection memory counts what it did.
+        """
+        vb = self.fields["valid_bits"]
+        if reuse:
+            keep = self.memory.reused(B, H, R, vb)
+            if keep is not None:
+                return keep
+        keep, scores, scored, skipped = fresh()
+        if skipped is not None:
+            self.memory.note_estimate(skipped)
+        if not reuse:
+            self.memory.observe(keep, scores)
+            return keep
+        self.memory.remember(keep, scored, vb)
+        if self.prefetch_enabled:
+            self.memory.observe(keep, scores)
+        return keep
 
     # --- selection reuse and diagnostics --------------------------------------------------------
     @property
@@ -306,14 +338,6 @@ class OffloadTier(Tier, NotCopyable):
         vptr = torch.where(kptr != 0, kptr + self.block_tokens * self.head_dim * self.layout.dtype.itemsize, kptr)
         return kptr, vptr
 
-    def reused_selection(self, B: int, H: int, R: int) -> torch.Tensor | None:
-        """The previous selection when this call may reuse it (:meth:`SelectionMemory.reused`)."""
-        return self.memory.reused(B, H, R, self.fields["valid_bits"])
-
-    def remember_selection(self, keep: torch.Tensor, scored: int) -> None:
-        """Keep a fresh selection ``keep [B,H,R,n]`` (:meth:`SelectionMemory.remember`)."""
-        self.memory.remember(keep, scored, self.fields["valid_bits"])
-
     def measure(self, rows: torch.Tensor, keep: torch.Tensor, lse_res: torch.Tensor) -> None:
         """Diagnostic: the exact softmax mass of the cold blocks each row of ``rows [B,H,R,D]`` did
         not attend (``keep [B,H,R,n]``), relative to the row's total with the resident tokens
@@ -327,10 +351,6 @@ class OffloadTier(Tier, NotCopyable):
         self.stats.skipped_mass += float(skipped.sum())
         self.stats.skipped_rows += skipped.numel()
         self.stats.skipped_max = max(self.stats.skipped_max, float(skipped.max()))
-
-    def note_estimate(self, skipped: torch.Tensor) -> None:
-        """Count a fresh selection's estimated skipped shares (:meth:`SelectionMemory.note_estimate`)."""
-        self.memory.note_estimate(skipped)
 
     # --- prefetch -----------------------------------------------------------------------------
     @property
@@ -366,10 +386,6 @@ class OffloadTier(Tier, NotCopyable):
         self.staging.drop()
 
     # --- prediction ---------------------------------------------------------------------------
-    def observe(self, keep: torch.Tensor, scores: torch.Tensor) -> None:
-        """Record this step's selection ``keep: bool [B,H,R,n]`` and block scores ``[B,H,R,n]``."""
-        self.memory.observe(keep, scores)
-
     def end_step(self) -> None:
         """The layer's attention is over: keep the prediction, release staging."""
         self.memory.end_step()
