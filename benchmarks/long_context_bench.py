@@ -92,7 +92,7 @@ def offload_spec(preset: str, **changes) -> CacheSpec:
 
 
 def offload_layers(cache) -> list:
-    return [layer for layer in getattr(cache, "tiered_layers", []) if getattr(layer.cold, "is_offloaded", False)]
+    return [layer for layer in getattr(cache, "tiered_layers", []) if layer.offloaded]
 
 
 def selection_row(d: dict) -> dict:

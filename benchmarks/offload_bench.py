@@ -67,7 +67,7 @@ def main() -> None:
         for spec in specs:
             st = states[spec.name]
             layers = getattr(st["cache"], "tiered_layers", [])
-            stores = [layer.cold.store for layer in layers if getattr(layer.cold, "is_offloaded", False)]
+            stores = [layer.cold.store for layer in layers if layer.offloaded]
             with spec.context(model), torch.no_grad():
                 busy = 0.0
                 for _ in range(args.new_tokens):

@@ -306,14 +306,14 @@ def test_staged_blocks_are_attended_in_place(store_bits):
     first = tiered_attention(layer, query, mask_for(valid, 1), 0.3)  # nothing predicted yet: all misses
     assert tier.stats.misses == tier.stats.needed > 0 and tier.stats.hits == 0
     seen = {}
-    gather = tier.gather
+    gather = tier.sources
 
     def spy(union):
         sources = gather(union)
-        seen["sources"], seen["staged"] = sources, tier._staged
+        seen["sources"], seen["staged"] = sources, tier.staging.staged
         return sources
 
-    tier.gather = spy
+    tier.sources = spy
     second = tiered_attention(layer, query, mask_for(valid, 1), 0.3)  # the prefetcher staged the prediction
     needed = tier.stats.needed // 2  # both calls need the same blocks
     assert tier.stats.hits == needed and tier.stats.misses == needed  # the second call: all hits
@@ -338,13 +338,13 @@ def test_limited_budget_drops_exactly_the_unselected_blocks(budget, force):
     pol = off_policy(**budget)  # prefetch on: every selection is observed
     layer, keys, values, valid = build_layer(pol, q=3)
     chosen = {}
-    observe = layer.cold.observe
+    observe = layer.cold.memory.observe
 
     def spy(keep, scores):
         chosen["keep"] = keep
         return observe(keep, scores)
 
-    layer.cold.observe = spy
+    layer.cold.memory.observe = spy
     B, H, gqa, q, D = 3, 2, 2, 3, 12
     query = torch.randn(B, H * gqa, q, D, generator=torch.Generator().manual_seed(4))
     out = tiered_attention(layer, query, mask_for(valid, q), 0.3, force=force)

@@ -44,11 +44,11 @@ def _state(cache) -> dict:
             k, v = layer.hot.view()
             out[i, "hot"] = (k.clone(), v.clone())
         # a store's checksums of free slots may keep stale values: its records are compared below
-        sums = {id(t) for t in layer.cold.store.tensors()} if getattr(layer.cold, "is_offloaded", False) else set()
+        sums = {id(t) for t in layer.cold.store.tensors()} if layer.offloaded else set()
         for name, ts in layer.tier_tensors().items():
             if name != "hot":
                 out[i, name] = [t.clone() for t in ts if id(t) not in sums]
-        if getattr(layer.cold, "is_offloaded", False) and layer.cold.table is not None:
+        if layer.offloaded and layer.cold.table is not None:
             out[i, "table"] = layer.cold.table.clone()
             out[i, "live"] = layer.cold.store.live
             out[i, "records"] = layer.cold.store.read(layer.cold.table.flatten()).clone()
@@ -189,7 +189,7 @@ def _tier_steps(layer: TieredLayer) -> dict[str, tuple[object, str]]:
     steps["warm.encode"] = (layer.warm.codec, "encode")
     if layer.cold is not None:
         steps["cold.push"] = (layer.cold, "push")
-        if getattr(layer.cold, "is_offloaded", False):
+        if layer.offloaded:
             steps["store.write"] = (layer.cold.store, "write")
             steps["store.allocate"] = (layer.cold.store, "allocate")
         else:

@@ -16,12 +16,13 @@ Per query row (the ``Gq * q`` queries sharing a KV head) and call:
    select, so the result equals exact attention with the unselected blocks removed (up to fp32
    summation order), and with an unlimited budget it equals exact attention.
 
-The CPU decode path (:func:`_attend_kernel`, when the plan scores sketches in C++ and the records
-are exact) does steps 2-4 in two calls per layer (:mod:`kvtier.kernels.offload_cpu`): a
-*two-level* selection - a coarse per-block bound orders the blocks and only the blocks whose bound
-could still matter are scored from their sketch (``OffloadPolicy.coarse_tol``) - and exact
-attention reading each selected record where it lies in a host-RAM store (no gather copy), or in
-the buffers :meth:`OffloadTier.gather` read (disk, prefetch), merged with the resident part.
+The CPU decode path (:func:`_attend_kernel`, where the plan says so:
+:attr:`~kvtier.attention.plan.ChunkPlan.offload_kernel`, and ``offload_fused`` for sinks and hot)
+does steps 2-4 in two calls per layer (:mod:`kvtier.kernels.offload_cpu`): a *two-level*
+selection - a coarse per-block bound orders the blocks and only the blocks whose bound could still
+matter are scored from their sketch (``OffloadPolicy.coarse_tol``) - and exact attention reading
+each selected record where it lies in a host-RAM store (no gather copy), or in the buffers
+:meth:`OffloadTier.sources` read (disk, prefetch), merged with the resident part.
 A layer may reuse its previous selection for ``OffloadPolicy.reuse_every(n) - 1`` decode steps.
 Its references are :func:`select_two_level_torch` and :func:`attend_blocks_torch`.
 """
@@ -94,28 +95,30 @@ def _cold_partials(
     tier: OffloadTier, rows: torch.Tensor, row_pos: torch.Tensor, resident: list[Partial], start: int, kernel: bool
 ) -> list[Partial]:
     """Select, fetch and attend the offloaded blocks for ``rows [B,H,R,D]``: one exact partial per
-    source of :meth:`OffloadTier.gather` (staged hits, synchronous misses), each row masked to the
+    source of :meth:`OffloadTier.sources` (staged hits, synchronous misses), each row masked to the
     blocks it selected."""
     policy = tier.policy
     T = tier.block_tokens
     B, H, R, D = rows.shape
     fields = expand(tier.fields, T)
-    scores = block_lse(rows, fields, tier.sketch, kernel)  # [B,H,R,n]
-    forced = None
-    if policy.local_window:
-        ends = start + T * torch.arange(1, tier.nblocks + 1, device=rows.device)
-        forced = ends[None, None, None, :] > (row_pos - policy.local_window)[None, None, :, None]
-    if policy.unlimited:
-        keep = torch.isfinite(scores)
-    else:
+
+    def fresh():
+        scores = block_lse(rows, fields, tier.sketch, kernel)  # [B,H,R,n]
+        forced = None
+        if policy.local_window:
+            ends = start + T * torch.arange(1, tier.nblocks + 1, device=rows.device)
+            forced = ends[None, None, None, :] > (row_pos - policy.local_window)[None, None, :, None]
+        if policy.unlimited:
+            return torch.isfinite(scores), scores, 0, None
         lse_res = torch.stack([p.lse for p in resident]).logsumexp(0)  # hot is never empty
         keep = select_offloaded(scores, lse_res, policy, forced)
-        if budget_binds(policy, scores.shape[-1]):
-            tier.note_estimate(estimated_skipped(scores, keep, lse_res))
-    tier.observe(keep, scores)
+        skipped = estimated_skipped(scores, keep, lse_res) if budget_binds(policy, scores.shape[-1]) else None
+        return keep, scores, 0, skipped
+
+    keep = tier.select(B, H, R, fresh, reuse=False)
     valid = fields["valid"].expand(B, H, -1, -1)  # [B,H,n,T]
     parts = []
-    for blocks, k, v in tier.gather(keep.any(2)):
+    for blocks, k, v in tier.sources(keep.any(2)):
         kk = blocks.shape[-1]
         idx = blocks.clamp(min=0)
         row_mask = keep.gather(-1, idx.unsqueeze(2).expand(-1, -1, R, -1)) & (blocks >= 0).unsqueeze(2)
@@ -205,16 +208,6 @@ def attend_blocks_torch(
     return merge([prev, part]), lse
 
 
-def kernel_path(tier: OffloadTier, chunk: ChunkPlan) -> bool:
-    """Whether this call takes the C++ two-level path: few rows on the CPU (the plan's
-    ``sketch_kernel``), exact records and the kernels built."""
-    if not chunk.sketch_kernel or tier.layout.bits is not None or "k_amax" not in tier.fields:
-        return False
-    from ..kernels import offload_cpu
-
-    return tier.layout.dtype in offload_cpu.DTYPES and offload_cpu.available()
-
-
 def _attend_kernel(
     tier: OffloadTier,
     rows: torch.Tensor,
@@ -233,32 +226,29 @@ def _attend_kernel(
     fields = tier.fields
     n = tier.nblocks
     tier.stats.blocks_total += B * H * n
-    keep = tier.reused_selection(B, H, R)
-    if keep is None:
+
+    def fresh():
         if policy.local_window:
             forced_from = torch.div(row_pos - policy.local_window - start, T, rounding_mode="floor").clamp(min=0)
         else:
             forced_from = torch.full((R,), n, dtype=torch.long)
         if policy.unlimited:
             keep = nonempty(fields["valid_bits"]).unsqueeze(2).expand(B, H, R, n).contiguous()
-            scores, scored = torch.zeros(keep.shape).masked_fill(~keep, float("-inf")), 0
-        else:
-            keep, scores, counts = offload_cpu.offload_select(
-                query_rows(rows, tier.sketch),
-                fields,
-                lse_res,
-                forced_from,
-                policy.mass,
-                policy.min_blocks,
-                policy.max_blocks,
-                policy.coarse_tol,
-            )
-            scored = int(counts.sum())
-            if budget_binds(policy, n):
-                tier.note_estimate(estimated_skipped(scores, keep, lse_res))
-        tier.remember_selection(keep, scored)
-        if tier.prefetch_enabled:
-            tier.observe(keep, scores)
+            return keep, torch.zeros(keep.shape).masked_fill(~keep, float("-inf")), 0, None
+        keep, scores, counts = offload_cpu.offload_select(
+            query_rows(rows, tier.sketch),
+            fields,
+            lse_res,
+            forced_from,
+            policy.mass,
+            policy.min_blocks,
+            policy.max_blocks,
+            policy.coarse_tol,
+        )
+        skipped = estimated_skipped(scores, keep, lse_res) if budget_binds(policy, n) else None
+        return keep, scores, int(counts.sum()), skipped
+
+    keep = tier.select(B, H, R, fresh, reuse=True)
     valid = fields["valid_bits"]
     if tier.in_place:
         kptr, vptr = tier.record_addresses()
@@ -268,7 +258,7 @@ def _attend_kernel(
         tier.stats.in_place += union
     else:
         out, lse = out_res, lse_res
-        for blocks, k, v in tier.gather(keep.any(2)):
+        for blocks, k, v in tier.sources(keep.any(2)):
             kptr, vptr = _source_addresses(blocks, k, v, n)
             out, lse, _ = offload_cpu.offload_attend(rows, keep, kptr, vptr, valid, T, k.dtype, out, lse)
     if tier.measure_skipped:
@@ -297,13 +287,13 @@ def _source_addresses(blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n:
 
 def _cold_dense(tier: OffloadTier, rows: torch.Tensor, chunk: ChunkPlan) -> list[Partial]:
     """Every cold block, exactly (a call longer than ``OffloadPolicy.max_query_tokens``): one
-    partial per source of :meth:`OffloadTier.gather`, masked only by the blocks' valid tokens
+    partial per source of :meth:`OffloadTier.sources`, masked only by the blocks' valid tokens
     (every cold token precedes the call's queries)."""
     B, H, R, D = rows.shape
     T = tier.block_tokens
     valid = unpack_valid(tier.fields["valid_bits"], T).expand(B, H, -1, -1)  # [B,H,n,T]
     parts = []
-    for blocks, k, v in tier.gather(valid.any(-1)):
+    for blocks, k, v in tier.sources(valid.any(-1)):
         kk = blocks.shape[-1]
         idx = blocks.clamp(min=0)
         vg = valid.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, T)) & (blocks >= 0).unsqueeze(-1)
@@ -326,13 +316,7 @@ def _attend(
     rows = to_rows(query, H, scaling)
     tier = layer.cold
     parts: list[Partial] = []
-    fast = (
-        not dense
-        and tier.nblocks
-        and kernel_path(tier, chunk)
-        and fused_cpu.available()
-        and not (layer.warm and layer.warm.nblocks)
-    )
+    fast = not dense and tier.nblocks and chunk.offload_fused and not (layer.warm and layer.warm.nblocks)
     if layer.sinks.k is not None and not fast:
         parts.append(chunk.exact.exact(rows, layer.sinks.k, layer.sinks.v, layer.sinks.valid()[:, None, None, :]))
     if layer.warm is not None and layer.warm.nblocks:
@@ -353,7 +337,7 @@ def _attend(
         if tier.nblocks:
             parts += _cold_dense(tier, rows, chunk)
         return from_rows(merge(parts), Hq, q)
-    if tier.nblocks and kernel_path(tier, chunk):
+    if tier.nblocks and chunk.offload_kernel:
         lse_res = torch.stack([p.lse for p in parts]).logsumexp(0)
         return from_rows(_attend_kernel(tier, rows, q_pos.repeat(Hq // H), merge(parts), lse_res, layer.evicted), Hq, q)
     if tier.nblocks:

@@ -23,6 +23,7 @@ May import: torch, ``kvtier.attention.backends``, ``kvtier.kernels`` (availabili
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -121,6 +122,11 @@ class ChunkPlan:
     other : backend of the other packed tiers (torch, chunk-wise decoding).
     fused : the whole layer in one C++ call (:meth:`CpuBackend.layer`).
     sketch_kernel : offloaded layers score their key sketches in C++.
+    offload_kernel : an offloaded layer's cold tier takes the C++ two-level path (select and attend
+        in :mod:`kvtier.kernels.offload_cpu`): few rows on the CPU (``sketch_kernel``), exact
+        records of a dtype the kernel reads, the kernel built.
+    offload_fused : besides, its sinks and hot go through one fused C++ call
+        (:func:`kvtier.kernels.fused_cpu.layer_attention`) when no warm block is held.
     """
 
     start: int
@@ -131,6 +137,8 @@ class ChunkPlan:
     other: Backend
     fused: bool
     sketch_kernel: bool
+    offload_kernel: bool = False
+    offload_fused: bool = False
 
     def backend(self, codec) -> Backend:
         """The backend of a packed tier with this codec."""
@@ -276,8 +284,8 @@ def _build(
     attention = layer.attention
     policy_sparse = layer.policy.sparse
     tiers = [t for t in (layer.cold, layer.warm) if t is not None]
-    offloaded = getattr(layer.cold, "is_offloaded", False)
-    affine = all(t.codec.AFFINE is not None for t in tiers if not getattr(t, "is_offloaded", False))
+    offloaded = layer.offloaded
+    affine = all(t.codec.AFFINE is not None for t in tiers if not t.is_offloaded)
     device = torch.device(device)
     if force is not None:
         check_force(force, device)
@@ -312,6 +320,23 @@ def _build(
         _chunk(s, min(s + step, q), G * (min(s + step, q) - s), device, selection, force, fused_layer, affine, dtype)
         for s in range(0, q, step)
     )
+    if offloaded and selection == "sketch":
+        chunks = _offload_chunks(layer, chunks)
     path = "offload" if offloaded else "tiered"
     dense_call = policy_sparse is not None and sp is None and not offloaded
     return AttentionPlan(path, selection, sp, dense_call, chunks, force)
+
+
+def _offload_chunks(layer, chunks: tuple[ChunkPlan, ...]) -> tuple[ChunkPlan, ...]:
+    """The chunks of a sketch-selected offloaded call with their C++ paths decided (see
+    :class:`ChunkPlan`): exact records (``store_bits=None``) of a dtype the kernel reads, built."""
+    if not any(c.sketch_kernel for c in chunks) or layer.cold.policy.store_bits is not None:
+        return chunks
+    from ..kernels import fused_cpu, offload_cpu
+
+    if layer.dtype not in offload_cpu.DTYPES or not offload_cpu.available():
+        return chunks
+    fused = fused_cpu.available()
+    return tuple(
+        dataclasses.replace(c, offload_kernel=True, offload_fused=fused) if c.sketch_kernel else c for c in chunks
+    )

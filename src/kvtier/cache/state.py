@@ -6,8 +6,8 @@ caps, views for attention and reports), the ids of kvtier masks (:func:`mark_for
 :func:`forward_epoch`) and the names the adapter and attention share (``ATTENTION_NAME``,
 ``HANDLE_KEY``). The transformers cache layer :class:`kvtier.hf.layer.TieredLayer` is
 ``LayerState`` plus transformers' ``CacheLayerMixin``.
-May import: torch, ``kvtier.cache`` (tiers, adaptive), ``kvtier.codecs``, ``kvtier.policy``,
-``kvtier.errors``, ``kvtier.stats``, and (lazily, for ``cold="offload"``) ``kvtier.offload``; never
+May import: torch, ``kvtier.cache`` (tiers, adaptive), ``kvtier.tier``, ``kvtier.codecs``,
+``kvtier.policy``, ``kvtier.errors``, ``kvtier.stats``, and (lazily, for ``cold="offload"``) ``kvtier.offload``; never
 transformers, ``kvtier.attention`` or ``kvtier.hf``.
 
 Data flow per forward call:
@@ -68,6 +68,7 @@ from ..codecs import make_codecs, storage_dtype, value_group
 from ..errors import KVTierError, StorageRangeError
 from ..policy import TierPolicy
 from ..stats import SparseStats, tensor_bytes
+from ..tier import Tier
 from .tiers import BlockTier, HotBuffer, SinkBuffer
 
 ATTENTION_NAME = "kvtier"
@@ -128,7 +129,7 @@ class Journal:
         self.hot = layer.hot.state()
         self.sinks = layer.sinks.state()
         self.stats = dataclasses.replace(layer.sparse_stats)
-        self.cold = layer.cold.state() if hasattr(layer.cold, "state") else None
+        self.cold = None if layer.cold is None else layer.cold.state()
         self.undo: list[Callable[[], None]] = []
         self.on_commit: list[Callable[[], None]] = []
 
@@ -212,14 +213,14 @@ class LayerState:
     # --- cache-layer interface (what transformers calls) ------------------------------------
     def reset(self) -> None:
         old = getattr(self, "cold", None)
-        if getattr(old, "is_offloaded", False):
-            old.close()  # its store's records and files go now
+        if old is not None:
+            old.close()  # an offloaded tier's records and files go now
         p = self.policy
         bound = None if p.hot_tokens is None else p.hot_tokens + p.block_tokens
         self.hot = HotBuffer(bound)
         self.sinks = SinkBuffer(0 if p.is_exact else p.sink_tokens)
         self.warm: BlockTier | None = None
-        self.cold: BlockTier | None = None
+        self.cold: Tier | None = None  # a BlockTier, or an OffloadTier (``cold="offload"``)
         self.sparse_stats = SparseStats()
         self.seen = 0
         self.hot_start = 0
@@ -704,13 +705,18 @@ class LayerState:
                 continue
             old = tier.drop_front(take)
             self.journal.undo.append(lambda tier=tier, old=old: tier.put_front(old))
-            if hasattr(tier, "release"):  # records of an offloaded tier: freed once the call is kept
+            if tier.is_offloaded:  # records of an offloaded tier: freed once the call is kept
                 self.journal.on_commit.append(lambda tier=tier, old=old: tier.release(old))
             self.evicted += take * tier.block_tokens
             dropped += take
         return dropped
 
     # --- views for attention and reports --------------------------------------------------------
+    @property
+    def offloaded(self) -> bool:
+        """Whether the cold tier keeps its blocks in a block store (:attr:`kvtier.tier.Tier.is_offloaded`)."""
+        return self.cold is not None and self.cold.is_offloaded
+
     def token_counts(self) -> dict[str, int]:
         """Token slots per tier (slots include pads and captured sinks in block tiers)."""
         return {
@@ -731,7 +737,7 @@ class LayerState:
             "warm": [] if self.warm is None else self.warm.tensors(),
             "cold": [] if self.cold is None else self.cold.tensors(),
         }
-        if getattr(self.cold, "is_offloaded", False):
+        if self.offloaded:
             out["staging"] = self.cold.staging_tensors()
         if self.budget is not None:
             out["measure"] = self.budget.measure_tensors(self._budget_idx)
@@ -739,7 +745,7 @@ class LayerState:
 
     def offloaded_bytes(self) -> int:
         """Bytes of this layer's blocks in a block store (host RAM or disk); 0 without offload."""
-        return self.cold.offloaded_bytes if getattr(self.cold, "is_offloaded", False) else 0
+        return 0 if self.cold is None else self.cold.offloaded_bytes
 
     def nbytes(self) -> int:
         """Bytes this layer holds: its tensors (as :func:`kvtier.memory_report` counts them) plus

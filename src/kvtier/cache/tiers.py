@@ -9,8 +9,9 @@ counts are the bytes the process holds.
 Moves are copy-on-write: no method writes into a tensor that an earlier :meth:`state` may still
 refer to, so a layer can take a tier's ``state()`` (a few references), attempt a move, and
 ``restore()`` it if anything fails. Block tiers also undo a move without keeping their old
-storage alive (:meth:`BlockTier.truncate`, :meth:`BlockTier.put_front`). Nothing here imports
-attention or transformers.
+storage alive (:meth:`BlockTier.truncate`, :meth:`BlockTier.put_front`). Block tiers subclass
+:class:`kvtier.tier.Tier` (as the offloaded cold tier does). May import ``kvtier.codecs`` and
+``kvtier.tier``; nothing here imports attention or transformers.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..codecs import Codec
+from ..tier import Tier
 
 #: The hot buffer's smallest allocation (tokens).
 HOT_MIN_CAPACITY = 16
@@ -202,8 +204,9 @@ class SinkBuffer:
         return [] if self.k is None else [self.k, self.v, self.filled]
 
 
-class BlockTier:
-    """A FIFO of encoded blocks: a dict of tensors ``[B, H, nblocks, ...]`` plus validity.
+class BlockTier(Tier):
+    """A FIFO of encoded blocks (a :class:`~kvtier.tier.Tier`): a dict of tensors
+    ``[B, H, nblocks, ...]`` plus validity.
 
     ``valid: bool [B, 1, nblocks, T]`` marks real tokens (pads and captured sinks are False
     and were kept out of the quantization statistics). Every change builds new tensors;
@@ -219,10 +222,6 @@ class BlockTier:
     @property
     def nblocks(self) -> int:
         return 0 if not self.fields else self.fields["valid"].shape[2]
-
-    @property
-    def ntokens(self) -> int:
-        return self.nblocks * self.block_tokens
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         B, H, n, D = x.shape

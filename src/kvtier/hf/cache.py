@@ -424,7 +424,7 @@ class TieredCache(Cache):
         """Block traffic of the offloading layers so far: hit rate, blocks and bytes moved, stall time."""
         total = OffloadStats()
         for layer in self.tiered_layers:
-            if getattr(layer.cold, "is_offloaded", False):
+            if layer.offloaded:
                 total.add(layer.cold.stats)
         return total
 
@@ -441,7 +441,7 @@ class TieredCache(Cache):
                 if self.offloader is not None:
                     self.offloader.close()
                 for layer in self.tiered_layers:
-                    if getattr(layer.cold, "is_offloaded", False):
+                    if layer.offloaded:
                         layer.reset()
 
     def __copy__(self) -> TieredCache:

@@ -11,35 +11,44 @@ When a block leaves the hot (or warm) tier it is split in two:
 
 Beam search and batch selection permute table rows; no data moves and records no row refers to
 any more are freed (vLLM-style, beam-safe). Attention (:mod:`kvtier.attention.offloaded`) chooses
-blocks from the sketches and :meth:`OffloadTier.gather` gets them, from what the prefetcher staged
-(:mod:`kvtier.offload.prefetch`) or synchronously from the store; :class:`OffloadStats` counts it.
+blocks from the sketches through :meth:`OffloadTier.select` (which reuses a kept selection where
+the policy allows) and :meth:`OffloadTier.sources` gets them, from what the prefetcher staged or
+synchronously from the store; :class:`OffloadStats` counts it.
+
+This module owns the storage moves (a :class:`~kvtier.tier.Tier`: push, truncate, drop_front,
+put_front, index_select, release) and the reads; two parts it composes own the rest: the
+selection memory (:class:`~kvtier.offload.selection.SelectionMemory`: the selection kept for reuse,
+the prediction, the budget estimates) and the staging (:class:`~kvtier.offload.staging.Staging`:
+the prefetch in flight and the staged blocks). May import: torch, ``kvtier.offload``,
+``kvtier.codecs``, ``kvtier.indexing``, ``kvtier.policy``, ``kvtier.stats``, ``kvtier.tier``.
 """
 
 from __future__ import annotations
 
-import time
-import warnings
 import weakref
-from concurrent.futures import Future
+from collections.abc import Callable
 
 import torch
 
 from ..codecs import check_params, value_group
-from ..errors import BudgetWarning
-from ..indexing import union_blocks
 from ..policy import TierPolicy
 from ..stats import OffloadStats
+from ..tier import Tier
 from .prefetch import Offloader
 from .records import RecordLayout
-from .sketch import KeySketch, nonempty, unpack_valid
+from .selection import BUDGET_WARN_SHARE, SelectionMemory
+from .sketch import KeySketch, unpack_valid
+from .staging import Staging
 from .store import BlockStore, NotCopyable, OffloadError, RecordError, store_capacity
 
-#: :meth:`OffloadTier.note_estimate` warns when a call's rows leave more than this mean share of
-#: their estimated attention mass unread because of the read budget.
-BUDGET_WARN_SHARE = 0.05
+__all__ = ["BUDGET_WARN_SHARE", "OffloadTier", "planned_bytes"]
+
+#: What :meth:`OffloadTier.select` calls for a fresh selection: ``(keep [B,H,R,n], scores
+#: [B,H,R,n], blocks scored, estimated skipped share [B,H,R] or None)``.
+Fresh = Callable[[], tuple[torch.Tensor, torch.Tensor, int, "torch.Tensor | None"]]
 
 
-class OffloadTier(NotCopyable):
+class OffloadTier(Tier, NotCopyable):
     """Cold blocks of one layer: sketches and block table resident, exact K/V in a store.
 
     Parameters
@@ -84,28 +93,20 @@ class OffloadTier(NotCopyable):
         self.offloader = offloader
         self.fields: dict[str, torch.Tensor] = {}  # k_signs, k_scale, k_mean [B,H,n,...]; valid [B,1,n,T]
         self.table: torch.Tensor | None = None  # int64 [B, H, n] record ids (host)
-        self.predicted: torch.Tensor | None = None  # bool [B, H, n'] blocks predicted for the next step
-        self._observed: torch.Tensor | None = None  # prediction being built during this step
-        self._pending: Future | None = None
-        # (blocks [B,H,k], k, v [B,H,k,T,D] on the device, listed bool [B,H,n], used bool [B,H,n])
-        self._staged: tuple | None = None
-        self._selection: tuple[torch.Tensor, int] | None = None  # (keep [B,H,R,n'], steps reused)
         # (weak reference to the table, store version, kptr): see record_addresses
         self._addresses: tuple | None = None
         self.stats = OffloadStats()
+        self.memory = SelectionMemory(op, self.stats)
+        self.staging = Staging(offloader, self.device, self.stats, self.layout.record_bytes)
         #: Diagnostic (benchmarks): measure the exact mass of the blocks each row skipped, reading
         #: every block of the tier at every call (slow). Counted in ``stats.skipped_*``.
         self.measure_skipped = False
         offloader.register(self)
 
-    # --- tier interface (as BlockTier) ------------------------------------------------------
+    # --- tier interface (storage moves) -------------------------------------------------------
     @property
     def nblocks(self) -> int:
         return 0 if not self.fields else self.fields["valid_bits"].shape[2]
-
-    @property
-    def ntokens(self) -> int:
-        return self.nblocks * self.block_tokens
 
     def push(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
         """Offload tokens ``k, v: [B, H, N, D]`` (``N`` a multiple of the block), ``valid: bool [B, N]``.
@@ -133,12 +134,11 @@ class OffloadTier(NotCopyable):
 
     def state(self) -> tuple:
         """The per-step prediction (what a layer's journal restores beside the block moves)."""
-        return self.predicted, self._observed
+        return self.memory.state()
 
     def restore(self, state: tuple) -> None:
         self.drop_staging()
-        self.predicted, self._observed = state
-        self._selection = None
+        self.memory.restore(state)
 
     def truncate(self, n: int) -> None:
         """Keep the oldest ``n`` blocks and free the records of the others (undoes a :meth:`push`)."""
@@ -152,8 +152,7 @@ class OffloadTier(NotCopyable):
         else:
             self.fields = {name: t[:, :, :n].clone() for name, t in self.fields.items()}
             self.table = self.table[:, :, :n].clone()
-        self.predicted = None
-        self._selection = None
+        self.memory.moved()
         self.release({"table": gone})
         self.store.trim()
 
@@ -169,8 +168,7 @@ class OffloadTier(NotCopyable):
         else:
             self.fields = {name: t[:, :, n:].clone() for name, t in self.fields.items()}
             self.table = self.table[:, :, n:].clone()
-        self.predicted = None
-        self._selection = None
+        self.memory.moved()
         return old
 
     def put_front(self, old: dict[str, torch.Tensor]) -> None:
@@ -185,8 +183,7 @@ class OffloadTier(NotCopyable):
         else:
             self.fields = {name: torch.cat([old[name], t], dim=2) for name, t in self.fields.items()}
             self.table = torch.cat([table, self.table], dim=2)
-        self.predicted = None
-        self._selection = None
+        self.memory.moved()
 
     def release(self, old: dict[str, torch.Tensor]) -> None:
         """Free the records of blocks that left the tier (``old["table"]``), unless still referenced."""
@@ -203,9 +200,7 @@ class OffloadTier(NotCopyable):
         self.fields = {name: t.index_select(0, index.to(t.device)) for name, t in self.fields.items()}
         old = self.table
         self.table = old.index_select(0, index.to(old.device))
-        if self.predicted is not None:
-            self.predicted = self.predicted.index_select(0, index.to(self.predicted.device))
-        self._selection = None
+        self.memory.index_select(index)
         before, after = old.unique(), self.table.unique()
         self.store.free(before[~torch.isin(before, after)])
 
@@ -222,15 +217,14 @@ class OffloadTier(NotCopyable):
         """Resident tensors: sketches, validity, block table, prediction, kept selection, record
         addresses, store checksums."""
         out = list(self.fields.values())
-        out += [t for t in (self.table, self.predicted) if t is not None]
-        if self._selection is not None:  # the selection kept for reuse and the address cache
-            out.append(self._selection[0])
+        out += [] if self.table is None else [self.table]
+        out += self.memory.tensors()
         if self._addresses is not None:
             out += list(self._addresses[2:])
         return out + self.store.tensors()
 
     def staging_tensors(self) -> list[torch.Tensor]:
-        return [] if self._staged is None else list(self._staged)
+        return self.staging.tensors()
 
     @property
     def offloaded_bytes(self) -> int:
@@ -240,8 +234,8 @@ class OffloadTier(NotCopyable):
         """Drop everything and delete the store's files."""
         self.drop_staging()
         self.store.close()
-        self.fields, self.table, self.predicted = {}, None, None
-        self._selection = None
+        self.fields, self.table = {}, None
+        self.memory.moved()
         self.offloader.unregister(self)
 
     # --- fetching -----------------------------------------------------------------------------
@@ -291,41 +285,37 @@ class OffloadTier(NotCopyable):
         kd, vd = self.layout.decode(data)  # [B*H*k, T, D]
         return kd.float().reshape(shape), vd.float().reshape(shape)
 
-    def gather(self, union: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Exact K/V of every block in ``union: bool [B, H, n]`` (blocks some query row of each
-        (row, KV head) selected), as *sources* ``(blocks [B, H, k], k, v [B, H, k, T, D])``.
+    def sources(self, union: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Exact K/V of every block in ``union: bool [B, H, n]``, as *sources* ``(blocks [B, H, k],
+        k, v [B, H, k, T, D])``: the staged blocks in place, the others read synchronously
+        (:meth:`kvtier.offload.staging.Staging.sources`)."""
+        return self.staging.sources(union, self.read_blocks)
 
-        Blocks the prefetcher staged are used in place - the staged source lists the predicted
-        blocks, a superset, so callers mask each row by its own selection - and the others are
-        read synchronously into a second source: each selected block is in exactly one source
-        and nothing staged is copied again. Counts needed blocks, hits, misses, bytes and stall.
+    def select(self, B: int, H: int, R: int, fresh: Fresh, reuse: bool) -> torch.Tensor:
+        """The blocks each of ``R`` query rows per (row, KV head) attends: bool ``[B, H, R, n]``.
+
+        ``fresh()`` computes a new selection (attention's maths: sketch scores, the mass rule, the
+        budget) as ``(keep [B,H,R,n], scores [B,H,R,n], blocks scored, estimated skipped share
+        [B,H,R] or None)``. With ``reuse`` (the C++ decode path) the kept selection is returned
+        instead while ``OffloadPolicy.reuse_every`` allows, a fresh one is kept for the next steps,
+        and the prediction is recorded only when prefetching; without, every call is fresh and
+        predicts. The selection memory counts what it did.
         """
-        st = self.stats
-        t0 = time.perf_counter()
-        self._wait_pending()
-        stall = time.perf_counter() - t0
-        sources = []
-        miss = union
-        if self._staged is not None:
-            blocks, k, v, listed, used = self._staged
-            hit = union & listed
-            miss = union & ~hit
-            if bool(hit.any()):
-                sources.append((blocks, k, v))
-                used |= hit
-            st.hits += int(hit.sum())
-        n_miss = int(miss.sum())
-        if n_miss:
-            t1 = time.perf_counter()
-            blocks = union_blocks(miss.unsqueeze(2))[0]
-            k, v = self.read_blocks(blocks)
-            sources.append((blocks, k, v))
-            stall += time.perf_counter() - t1
-            st.bytes_moved += n_miss * self.layout.record_bytes
-        st.needed += int(union.sum())
-        st.misses += n_miss
-        st.stall_s += stall
-        return sources
+        vb = self.fields["valid_bits"]
+        if reuse:
+            keep = self.memory.reused(B, H, R, vb)
+            if keep is not None:
+                return keep
+        keep, scores, scored, skipped = fresh()
+        if skipped is not None:
+            self.memory.note_estimate(skipped)
+        if not reuse:
+            self.memory.observe(keep, scores)
+            return keep
+        self.memory.remember(keep, scored, vb)
+        if self.prefetch_enabled:
+            self.memory.observe(keep, scores)
+        return keep
 
     # --- selection reuse and diagnostics --------------------------------------------------------
     @property
@@ -348,43 +338,6 @@ class OffloadTier(NotCopyable):
         vptr = torch.where(kptr != 0, kptr + self.block_tokens * self.head_dim * self.layout.dtype.itemsize, kptr)
         return kptr, vptr
 
-    def _padded(self, keep: torch.Tensor) -> torch.Tensor:
-        """A selection ``[B,H,R,n']`` of fewer blocks extended to the tier's ``n``: blocks offloaded
-        since (attended exactly in the hot window at that step) are kept when they hold real tokens."""
-        B, H, R, old = keep.shape
-        n = self.nblocks
-        if old == n:
-            return keep
-        new = nonempty(self.fields["valid_bits"][:, :, old:]).unsqueeze(2).expand(B, H, R, n - old)
-        return torch.cat([keep, new], dim=-1)
-
-    def reused_selection(self, B: int, H: int, R: int) -> torch.Tensor | None:
-        """The previous selection, extended to blocks offloaded since, when this call may reuse it
-        (``policy.reuse_every``; the same batch, heads and rows); else None."""
-        steps = self.policy.reuse_every(self.nblocks)
-        if steps <= 1 or self._selection is None:
-            return None
-        keep, age = self._selection
-        if age + 1 >= steps or keep.shape[:3] != (B, H, R) or keep.shape[3] > self.nblocks:
-            return None
-        keep = self._padded(keep)
-        self._selection = (keep, age + 1)
-        self.stats.reused += 1
-        return keep
-
-    def remember_selection(self, keep: torch.Tensor, scored: int) -> None:
-        """A fresh selection ``keep [B,H,R,n]`` (``scored`` blocks scored from sketches): counts
-        how much of it the previous selection (reused or not) already held, and keeps it."""
-        st = self.stats
-        st.blocks_scored += scored
-        if self._selection is not None:
-            prev = self._selection[0]
-            if prev.shape[:3] == keep.shape[:3] and prev.shape[3] <= keep.shape[3]:
-                union, before = keep.any(2), self._padded(prev).any(2)
-                st.reuse_needed += int(union.sum())
-                st.reuse_hits += int((union & before).sum())
-        self._selection = (keep, 0)
-
     def measure(self, rows: torch.Tensor, keep: torch.Tensor, lse_res: torch.Tensor) -> None:
         """Diagnostic: the exact softmax mass of the cold blocks each row of ``rows [B,H,R,D]`` did
         not attend (``keep [B,H,R,n]``), relative to the row's total with the resident tokens
@@ -399,25 +352,6 @@ class OffloadTier(NotCopyable):
         self.stats.skipped_rows += skipped.numel()
         self.stats.skipped_max = max(self.stats.skipped_max, float(skipped.max()))
 
-    def note_estimate(self, skipped: torch.Tensor) -> None:
-        """Add a fresh selection's estimated skipped shares ``skipped [B,H,R]`` (see
-        :func:`kvtier.attention.offloaded.estimated_skipped`) to ``stats.est_skipped_*``; warn (once
-        per message, Python's default filter) when a call's mean share exceeds
-        :data:`BUDGET_WARN_SHARE`: the read budget, not the mass rule, then decides the output."""
-        st = self.stats
-        st.est_skipped_mass += float(skipped.sum())
-        st.est_skipped_rows += skipped.numel()
-        st.est_skipped_max = max(st.est_skipped_max, float(skipped.max()))
-        if float(skipped.mean()) > BUDGET_WARN_SHARE:
-            warnings.warn(
-                f"kvtier offload: the read budget (OffloadPolicy.max_blocks={self.policy.max_blocks}) left more "
-                f"than {BUDGET_WARN_SHARE:.0%} of the estimated attention mass unread in a layer: attention is "
-                "diffuse at this length; raise max_blocks (None: the mass rule alone, every block it needs) "
-                "for exact-quality output. cache.offload_stats().est_skipped_* has the numbers.",
-                BudgetWarning,
-                stacklevel=2,
-            )
-
     # --- prefetch -----------------------------------------------------------------------------
     @property
     def prefetch_enabled(self) -> bool:
@@ -427,99 +361,34 @@ class OffloadTier(NotCopyable):
         return self.policy.backend == "disk" or self.device.type != "cpu"
 
     def predicted_blocks(self) -> torch.Tensor:
-        """bool ``[B, H, n]``: the blocks predicted for this layer's next attention - last step's
-        selection and margin, plus every block offloaded since - that hold real tokens."""
-        if self.table is None or self.predicted is None:
+        """bool ``[B, H, n]``: the blocks predicted for this layer's next attention that hold real
+        tokens (:meth:`SelectionMemory.predicted_blocks`)."""
+        if self.table is None:
             return torch.zeros(0, 0, 0, dtype=torch.bool)
-        B, H, n = self.table.shape
-        known = self.predicted.shape[2]
-        mask = torch.ones(B, H, n, dtype=torch.bool)
-        mask[:, :, :known] = self.predicted[:, :, :n].cpu()
-        return mask & nonempty(self.fields["valid_bits"]).cpu()  # [B, 1, n]: blocks holding real tokens
+        return self.memory.predicted_blocks(self.table.shape, self.fields["valid_bits"])
 
     def predicted_ranges(self) -> list[tuple[str, int, int]]:
         """Disk store: the file ranges of the predicted blocks' records (for the step's readahead)."""
-        if self.store.backend != "disk" or self.table is None or self.predicted is None:
+        if self.store.backend != "disk" or self.table is None or self.memory.predicted is None:
             return []
         return self.store.file_ranges(self.table[self.predicted_blocks()])
 
     def submit_prefetch(self) -> None:
         """Start fetching the predicted blocks on the offloader's worker (no-op when off or staged)."""
-        if not self.prefetch_enabled or self._pending is not None or self._staged is not None:
+        if not self.prefetch_enabled or self.staging.busy:
             return
         listed = self.predicted_blocks()
         if bool(listed.any()):
-            self._pending = self.offloader.submit(self._prefetch_job, listed)
-
-    def _prefetch_job(self, listed: torch.Tensor) -> tuple:
-        """Worker thread: read the predicted blocks into attention layout on the device, converted
-        to fp32, so that the compute thread neither copies nor converts them (a side stream and an
-        event on CUDA)."""
-        t0 = time.perf_counter()
-        blocks = union_blocks(listed.unsqueeze(2))[0]
-        event = None
-        if self.device.type == "cuda":
-            stream = self.offloader.stream(self.device)
-            with torch.cuda.stream(stream):
-                k, v = self.read_blocks(blocks)
-                event = torch.cuda.Event()
-                event.record(stream)
-        else:
-            k, v = self.read_blocks(blocks)
-        return blocks, k, v, listed, event, time.perf_counter() - t0
-
-    def _wait_pending(self) -> None:
-        """Wait for the prefetch in flight, if any, and stage its result (a failed one is dropped:
-        its blocks become misses, read and checked synchronously)."""
-        if self._pending is None:
-            return
-        fut, self._pending = self._pending, None
-        try:
-            blocks, k, v, listed, event, busy = fut.result()
-        except Exception:  # noqa: BLE001 - a bad record is reported by the synchronous read
-            return
-        if event is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(event)
-            k.record_stream(current)
-            v.record_stream(current)
-        count = int(listed.sum())
-        self.stats.prefetched += count
-        self.stats.bytes_moved += count * self.layout.record_bytes
-        self.stats.fetch_s += busy
-        listed = listed.to(self.device)
-        self._staged = (blocks.to(self.device), k, v, listed, torch.zeros_like(listed))
+            self.staging.submit(listed, self.read_blocks)
 
     def drop_staging(self) -> None:
-        """Release staged blocks (counting those never used); a prefetch in flight is cancelled or
-        waited for."""
-        if self._pending is not None and self._pending.cancel():
-            self._pending = None
-        self._wait_pending()
-        if self._staged is not None:
-            listed, used = self._staged[3], self._staged[4]
-            self.stats.unused += int((listed & ~used).sum())
-            self._staged = None
+        """Release staged blocks (:meth:`Staging.drop`)."""
+        self.staging.drop()
 
     # --- prediction ---------------------------------------------------------------------------
-    def observe(self, keep: torch.Tensor, scores: torch.Tensor) -> None:
-        """Record this step's selection ``keep: bool [B,H,R,n]`` and block scores ``[B,H,R,n]``."""
-        union = keep.any(2)
-        margin = self.policy.margin
-        if margin:
-            best = scores.amax(2).masked_fill(union, float("-inf"))  # [B,H,n]
-            k = min(margin, best.shape[-1])
-            top = best.topk(k, dim=-1)
-            extra = torch.zeros_like(union).scatter(-1, top.indices, torch.isfinite(top.values))
-            union = union | extra
-        union = union.cpu()
-        self._observed = union if self._observed is None else self._observed | union
-
     def end_step(self) -> None:
         """The layer's attention is over: keep the prediction, release staging."""
-        if self._observed is not None:
-            self.predicted = self._observed
-            self._observed = None
+        self.memory.end_step()
         self.drop_staging()
         self.stats.calls += 1
 
