@@ -16,27 +16,9 @@
 #endif
 
 #include "common.h"
-#include "simd_exp.h"
+#include "numeric.h"
 
 namespace {
-
-constexpr float NEG = -std::numeric_limits<float>::infinity();
-
-// exp(x) for x <= 0 (Cephes polynomial, ~1 ulp), 0 below -87; written so loops vectorize.
-inline float fexp(float x) {
-  const float xc = std::max(x, -87.0f);
-  const float k = std::floor(xc * 1.44269504088896341f + 0.5f);
-  const float r = xc - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500E-4f;
-  p = p * r + 1.3981999507E-3f;
-  p = p * r + 8.3334519073E-3f;
-  p = p * r + 4.1665795894E-2f;
-  p = p * r + 1.6666665459E-1f;
-  p = p * r + 5.0000001201E-1f;
-  p = p * r * r + r + 1.0f;
-  const float s = std::bit_cast<float>(((int32_t)k + 127) << 23);
-  return x < -87.0f ? 0.0f : p * s;
-}
 
 // --- fixed-shape code paths: (bits, D) known at compile time, so every loop unrolls into SIMD ---
 constexpr int width_at(int bits, int k) {
@@ -53,18 +35,15 @@ constexpr int npos_of(int bits, int D) {
   return combined(bits) ? npad_of(bits, D) : npad_of(bits, D) * planes;
 }
 
-// Byte -> its 8 one-bit or 4 two-bit sub-values as floats, in channel order.
-struct Luts {
-  alignas(32) float b1[256][8];
-  alignas(16) float b2[256][4];
-  Luts() {
-    for (int b = 0; b < 256; ++b) {
-      for (int i = 0; i < 8; ++i) b1[b][i] = float((b >> i) & 1);
-      for (int i = 0; i < 4; ++i) b2[b][i] = float((b >> (2 * i)) & 3);
-    }
+// Byte -> its 4 two-bit sub-values as floats, in channel order (one-bit ones: numeric.h's kBits).
+struct Bits4x2 {
+  alignas(16) float v[256][4];
+  Bits4x2() {
+    for (int b = 0; b < 256; ++b)
+      for (int i = 0; i < 4; ++i) v[b][i] = float((b >> (2 * i)) & 3);
   }
 };
-const Luts kLut;
+const Bits4x2 kBits2;
 
 // True when the fast path lays a width-W plane out in channel order (a table lookup per byte);
 // wider planes stay in term order (each term is one shift of every byte: a SIMD loop).
@@ -74,9 +53,9 @@ template <int W, int NPAD>
 inline void plane(const uint8_t* __restrict code, float* __restrict u) {
   constexpr int per = 8 / W, size = NPAD / per, mask = (1 << W) - 1;
   if constexpr (W == 1) {
-    for (int j = 0; j < size; ++j) std::memcpy(u + 8 * j, kLut.b1[code[j]], 8 * sizeof(float));
+    for (int j = 0; j < size; ++j) std::memcpy(u + 8 * j, kBits.v[code[j]], 8 * sizeof(float));
   } else if constexpr (W == 2) {
-    for (int j = 0; j < size; ++j) std::memcpy(u + 4 * j, kLut.b2[code[j]], 4 * sizeof(float));
+    for (int j = 0; j < size; ++j) std::memcpy(u + 4 * j, kBits2.v[code[j]], 4 * sizeof(float));
   } else {
     for (int i = 0; i < per; ++i) {
 #pragma omp simd
@@ -100,45 +79,6 @@ inline void unpack_t(const uint8_t* __restrict code, float* __restrict u) {
   plane<W0, NPAD>(code, u);
   if constexpr (W1 > 0) plane<W1, NPAD>(code + NPAD / (8 / W0), u + NPAD);
   if constexpr (W2 > 0) plane<W2, NPAD>(code + NPAD / (8 / W0) + NPAD / (8 / W1), u + 2 * NPAD);
-}
-
-// Lane-wise partial sums, then a fixed tree over the lanes: SIMD without -ffast-math (a plain
-// reduction ends in a serial chain of scalar adds, which dominated the score loop).
-template <int L>
-inline float hsum(float* p) {
-  if constexpr (L == 1) {
-    return p[0];
-  } else {
-#pragma omp simd
-    for (int l = 0; l < L / 2; ++l) p[l] += p[l + L / 2];
-    return hsum<L / 2>(p);
-  }
-}
-
-template <int N>
-inline float dot_t(const float* __restrict a, const float* __restrict b) {
-  constexpr int L = N % 16 == 0 ? 16 : (N % 8 == 0 ? 8 : 1);
-  alignas(64) float p[L];
-#pragma omp simd
-  for (int l = 0; l < L; ++l) p[l] = a[l] * b[l];
-  for (int k = 1; k < N / L; ++k) {
-#pragma omp simd
-    for (int l = 0; l < L; ++l) p[l] += a[k * L + l] * b[k * L + l];
-  }
-  return hsum<L>(p);
-}
-
-// Runtime-length dot with the same lane tree (tails summed in order).
-inline float dot_n(const float* __restrict a, const float* __restrict b, int64_t n) {
-  alignas(64) float p[16] = {0.f};
-  int64_t k = 0;
-  for (; k + 16 <= n; k += 16) {
-#pragma omp simd
-    for (int l = 0; l < 16; ++l) p[l] += a[k + l] * b[k + l];
-  }
-  float acc = hsum<16>(p);
-  for (; k < n; ++k) acc += a[k] * b[k];
-  return acc;
 }
 
 // s[r * N + tt] = bias[r] + qs[r] . codes(tt) for the T tokens of one block (NEG where invalid).
@@ -229,22 +169,9 @@ inline void load_row(const void* p, int64_t kind, int64_t D, float* out) {
   if (kind == 0) {
     std::memcpy(out, p, D * sizeof(float));
   } else if (kind == 1) {  // float16
-    const uint16_t* h = static_cast<const uint16_t*>(p);
-    int64_t c = 0;
-#if defined(__F16C__)
-    for (; c + 8 <= D; c += 8)
-      _mm256_storeu_ps(out + c, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + c))));
-#endif
-    for (; c < D; ++c) out[c] = static_cast<float>(c10::Half(h[c], c10::Half::from_bits()));
+    halves_to_floats8(static_cast<const uint16_t*>(p), out, D);
   } else {  // bfloat16
-    const uint16_t* h = static_cast<const uint16_t*>(p);
-#pragma omp simd
-    for (int64_t c = 0; c < D; ++c) {
-      const uint32_t b = uint32_t(h[c]) << 16;
-      float f;
-      std::memcpy(&f, &b, 4);
-      out[c] = f;
-    }
+    bf16s_to_floats(static_cast<const uint16_t*>(p), out, D);
   }
 }
 

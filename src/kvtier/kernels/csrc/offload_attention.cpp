@@ -15,80 +15,22 @@
 #include <immintrin.h>
 #endif
 
+#include "numeric.h"
+
 namespace {
-
-constexpr float NEG = -std::numeric_limits<float>::infinity();
-
-// exp(x) for x <= 0 (Cephes polynomial, ~1 ulp), 0 below -87; written so loops vectorize.
-inline float fexp(float x) {
-  const float xc = std::max(x, -87.0f);
-  const float k = std::floor(xc * 1.44269504088896341f + 0.5f);
-  const float r = xc - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500E-4f;
-  p = p * r + 1.3981999507E-3f;
-  p = p * r + 8.3334519073E-3f;
-  p = p * r + 4.1665795894E-2f;
-  p = p * r + 1.6666665459E-1f;
-  p = p * r + 5.0000001201E-1f;
-  p = p * r * r + r + 1.0f;
-  const float s = std::bit_cast<float>(((int32_t)k + 127) << 23);
-  return x < -87.0f ? 0.0f : p * s;
-}
-
-struct Bits8 {
-  alignas(32) float v[256][8];
-  Bits8() {
-    for (int b = 0; b < 256; ++b)
-      for (int i = 0; i < 8; ++i) v[b][i] = float((b >> i) & 1);
-  }
-};
-const Bits8 kBits;
-
-inline float half_to_float(uint16_t h) { return float(c10::Half(h, c10::Half::from_bits())); }
 
 // n values of storage dtype `dt` (0 fp16, 1 bf16, 2 fp32) at p -> floats.
 inline void to_float(const void* p, int dt, int64_t n, float* __restrict out) {
   if (dt == 2) {
     std::memcpy(out, p, n * sizeof(float));
   } else if (dt == 1) {
-    const uint16_t* h = static_cast<const uint16_t*>(p);
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = std::bit_cast<float>(uint32_t(h[i]) << 16);
+    bf16s_to_floats(static_cast<const uint16_t*>(p), out, n);
   } else {
-    const uint16_t* h = static_cast<const uint16_t*>(p);
-    int64_t i = 0;
-#if defined(__F16C__)
-    for (; i + 8 <= n; i += 8)
-      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
-#endif
-    for (; i < n; ++i) out[i] = half_to_float(h[i]);
+    halves_to_floats8(static_cast<const uint16_t*>(p), out, n);
   }
 }
-
-// Bit t of packed bits (LSB first, as kvtier.quant.pack_bits).
-inline bool bit(const uint8_t* bits, int64_t t) { return (bits[t >> 3] >> (t & 7)) & 1; }
 
 #if defined(__AVX512F__)
-// Horizontal sums of 16 vectors in one transposing reduction: lane l of the result is the sum of
-// v[hslot(l)] (so a caller writing token u's partial vector to v[hslot(u)] gets token u's sum in lane u).
-inline __m512 hsum16(const __m512* v) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i) {
-    const __m512 x = v[2 * i], y = v[2 * i + 1];
-    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512 x = a[2 * i], y = a[2 * i + 1];
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
-  }
-  for (int i = 0; i < 2; ++i) {
-    const __m512 x = b[2 * i], y = b[2 * i + 1];
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
-  }
-  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
-}
-constexpr int hslot(int u) { return 4 * (u & 3) + (u >> 2); }
-
 // The 16 validity bits of tokens t0 .. t0 + 15 (t0 a multiple of 8).
 inline __mmask16 bits16(const uint8_t* bits, int64_t t0) {
   return __mmask16(uint16_t(bits[t0 >> 3]) | uint16_t(bits[(t0 >> 3) + 1]) << 8);

@@ -33,7 +33,7 @@
 #include <immintrin.h>
 #endif
 #include "page_codes.h"
-#include "simd_exp.h"
+#include "numeric.h"
 
 namespace {
 
@@ -49,10 +49,6 @@ struct Pages {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr bool kSupported = true;
 
-inline __m512 dot(__m512 acc, __m512i a, __m512i b) {
-  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
-}
-
 constexpr int QT = 16;  // query tokens per task
 
 // bf16 bits of a small integer (|c| <= 256: exact in bf16)
@@ -61,13 +57,6 @@ inline uint16_t int_bf16(int c) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return static_cast<uint16_t>(u >> 16);
-}
-
-inline float bf16_to_float(uint16_t x) {
-  uint32_t u = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
 }
 
 // x [n] fp32 (n a multiple of 32) as bf16 hi + lo dword pairs (kvtier_pages::split_bf16_32)
@@ -135,9 +124,9 @@ struct Task {
         const __m512i qb = _mm512_set1_epi32(static_cast<int>(qrows[r][p]));
         if constexpr (LO) {
           const __m512i lb = _mm512_set1_epi32(static_cast<int>(qlo[r][p]));
-          for (int j = 0; j < NV; ++j) s[r][j] = dot(dot(s[r][j], kv[j], lb), kv[j], qb);
+          for (int j = 0; j < NV; ++j) s[r][j] = dot_bf16(dot_bf16(s[r][j], kv[j], lb), kv[j], qb);
         } else {
-          for (int j = 0; j < NV; ++j) s[r][j] = dot(s[r][j], kv[j], qb);
+          for (int j = 0; j < NV; ++j) s[r][j] = dot_bf16(s[r][j], kv[j], qb);
         }
       }
     }
@@ -245,7 +234,7 @@ struct Task {
           for (int d = 0; d < ND; ++d) vv[d] = _mm512_load_si512(vblk + (mm * ND + d) * 16);
           for (int r = 0; r < RB; ++r) {
             const __m512i pb = _mm512_set1_epi32(static_cast<int>(P[r][mm]));
-            for (int d = 0; d < ND; ++d) o[r][d] = dot(o[r][d], vv[d], pb);
+            for (int d = 0; d < ND; ++d) o[r][d] = dot_bf16(o[r][d], vv[d], pb);
           }
         }
         for (int r = 0; r < RB; ++r)

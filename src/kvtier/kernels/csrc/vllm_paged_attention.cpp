@@ -39,7 +39,7 @@
 #endif
 #include "codec_constants.h"
 #include "page_codes.h"
-#include "simd_exp.h"
+#include "numeric.h"
 
 namespace {
 using kvtier_pages::code_at;
@@ -116,10 +116,6 @@ inline void split_bf16(const float* x, __m512i* hi, __m512i* lo) {
   for (int j = 0; j < 2; ++j) kvtier_pages::split_bf16_32(x + 32 * j, hi[j], lo[j]);
 }
 
-inline __m512 dotbf(__m512 acc, __m512i a, __m512i b) {
-  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
-}
-
 // p[row * n + t + i] = qs[row] . codes(t + i) - sub[row] for 16 tokens of 4-bit codes kc (32 bytes
 // each) and R rows qs [R, 64] (q times the key scales, fp32): codes exact in bf16, qs split into
 // bf16 hi + lo, products summed in fp32 (VDPBF16PS), one transpose-and-add tree per row
@@ -135,33 +131,15 @@ inline void score16_codes_d64(const uint8_t* kc, const float* qs, int64_t R, con
     split_bf16(qs + row * 64, hi, lo);
     __m512 acc[16];
     for (int i = 0; i < 16; ++i) {
-      __m512 x = dotbf(_mm512_setzero_ps(), kb[i][0], lo[0]);
-      x = dotbf(x, kb[i][1], lo[1]);
-      x = dotbf(x, kb[i][0], hi[0]);
-      acc[i] = dotbf(x, kb[i][1], hi[1]);
+      __m512 x = dot_bf16(_mm512_setzero_ps(), kb[i][0], lo[0]);
+      x = dot_bf16(x, kb[i][1], lo[1]);
+      x = dot_bf16(x, kb[i][0], hi[0]);
+      acc[i] = dot_bf16(x, kb[i][1], hi[1]);
     }
     _mm512_storeu_ps(p + row * n + t, _mm512_sub_ps(reduce16(acc), _mm512_set1_ps(sub[row])));
   }
 }
 #endif
-
-inline float half_to_float(uint16_t h) {
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-}
-
-// dst[i] = src[i] as fp32, i < n (fp16 bits), 16 at a time where AVX-512 is built
-inline void halves_to_floats(const uint16_t* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
-#endif
-  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
-}
-
-inline uint16_t float_to_half_bits(float f) {
-  return c10::Half(f).x;
-}
 
 // A row of D elements of the model dtype as fp32 (times mul).
 template <typename T>
