@@ -38,7 +38,7 @@ from . import build
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_fused_cpu_v14", "layer_attention.cpp", ["layer_attention"], ("-fno-math-errno", "-fno-trapping-math")
+        "kvtier_fused_cpu_v15", "layer_attention.cpp", ["layer_attention"], ("-fno-math-errno", "-fno-trapping-math")
     )
 
 
