@@ -24,6 +24,11 @@
 // some row keeps (row mass rule, local window, sinks). Tasks run on torch's threads (built with
 // OpenMP: kvtier/kernels/build.py).
 // References: kvtier.vllm.paged.attend_layer and update_layer.
+//
+// Sections: page helpers (codes from page_codes.h: layout, code widths), the online softmax (Rows) and
+// the per-page steps (score_page, fold_page, attend_page, select_row, keep_tokens); attend (plan_splits,
+// sparse_packed, dense_packed, exact_rows, merge_splits); encode (gather_rows, encode_keys,
+// encode_values); decode; the checked entry points.
 #include <torch/extension.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -764,7 +769,8 @@ void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Ten
       q.data_ptr<scalar_t>(), key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(), side.data_ptr<scalar_t>(),
       pages.data_ptr<uint8_t>(), reqs.data_ptr<int64_t>(), pstart.data_ptr<int64_t>(), pids.data_ptr<int64_t>(),
       out.data_ptr<out_t>(),
-      q.stride(0), q.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1), out.stride(0), out.stride(1),
+      q.stride(0), q.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+      out.stride(0), out.stride(1),
       2 * H * D, static_cast<float>(scale)};
   const Splits S = plan_splits(C.rq, C.ps, nreq, H, G, sel);
   std::atomic<int64_t> valued{0}, scored{0};
@@ -811,6 +817,8 @@ void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Ten
   }
 }
 
+// --- encode: PageFormat.encode (kvtier.codecs.pages) of the blocks a step fills ---
+
 // kvtier.quant.fit_scale_zero for one group: fp16 bits of (scale, zero) from fp32 min / max
 // (mn > mx: a group without valid entries). The same fp32 operations, so the same fp16 values; its
 // constants (ZERO_MAX, SCALE_EPS, SCALE_ROUND) come from Python (codec_constants.h, kvtier.codecs.constants).
@@ -832,91 +840,117 @@ inline uint8_t code_of(float x, float scale, float zero, float qmax) {
   return static_cast<uint8_t>(std::min(qmax, std::max(0.f, c)));
 }
 
+// The rows a step writes: its new keys and values [N, H, D] and the layer's side buffer.
+template <typename scalar_t>
+struct NewRows {
+  scalar_t* sp;
+  const scalar_t *kp, *vp;
+  int64_t ks0, ks1, vs0, vs1;
+  int64_t side_row;  // one token of a side slot: [2, H, D]
+};
+
+// Block rows of head h as fp32 k, v [T, D]: side rows of `slot` before `start`, then the new tokens
+// from `first`; the first s (sink) rows also copied exact into the page.
+template <typename scalar_t>
+void gather_rows(const Layout& L, const NewRows<scalar_t>& N, int64_t h, int64_t slot, int64_t start, int64_t first,
+                 uint8_t* page, float* k, float* v) {
+  const int64_t H = L.H, D = L.D, T = L.T, s = L.s;
+  for (int64_t t = 0; t < T; ++t) {
+    const scalar_t* kr =
+        t < start ? N.sp + (slot * T + t) * N.side_row + h * D : N.kp + (first + t - start) * N.ks0 + h * N.ks1;
+    const scalar_t* vr =
+        t < start ? N.sp + (slot * T + t) * N.side_row + H * D + h * D : N.vp + (first + t - start) * N.vs0 + h * N.vs1;
+    load_row(kr, k + t * D, D);
+    load_row(vr, v + t * D, D);
+    if (t < s) {
+      scalar_t* sk = reinterpret_cast<scalar_t*>(page + L.sink) + ((h * s + t) * 2) * D;
+      std::memcpy(sk, kr, D * sizeof(scalar_t));
+      std::memcpy(sk + D, vr, D * sizeof(scalar_t));
+    }
+  }
+}
+
+// Keys of head h: per channel over each group of kg tokens (the block's first s tokens left out of
+// the range), 4-bit codes packed into the page.
+void encode_keys(const Layout& L, int64_t h, const float* k, uint8_t* codes, uint8_t* page) {
+  const int64_t D = L.D, T = L.T, s = L.s, kg = L.kg, nkg = T / kg, cb = D / 2;
+  uint16_t* ksc = reinterpret_cast<uint16_t*>(page + L.kscale) + h * nkg * D;
+  uint16_t* kzr = reinterpret_cast<uint16_t*>(page + L.kzero) + h * nkg * D;
+  for (int64_t g = 0; g < nkg; ++g) {
+    for (int64_t d = 0; d < D; ++d) {
+      float mn = kInf, mx = -kInf;
+      for (int64_t t = std::max(g * kg, s); t < (g + 1) * kg; ++t) {
+        mn = std::min(mn, k[t * D + d]);
+        mx = std::max(mx, k[t * D + d]);
+      }
+      float scale, zero;
+      fit_scale_zero(mn, mx, 15.f, ksc[g * D + d], kzr[g * D + d], scale, zero);
+      for (int64_t t = g * kg; t < (g + 1) * kg; ++t) codes[t * D + d] = code_of(k[t * D + d], scale, zero, 15.f);
+    }
+  }
+  uint8_t* kc = page + L.kcodes + h * T * cb;
+  for (int64_t t = 0; t < T; ++t) pack_row(codes + t * D, D, 4, kc + t * cb);
+}
+
+// Values of head h: per token over groups of vg channels, vb-bit codes packed into the page.
+void encode_values(const Layout& L, int64_t h, const float* v, uint8_t* codes, uint8_t* page) {
+  const int64_t D = L.D, T = L.T, vg = L.vg, nvg = D / vg, cv = L.vrow();
+  const float vmax = static_cast<float>((1 << L.vb) - 1);
+  uint16_t* vsc = reinterpret_cast<uint16_t*>(page + L.vscale) + h * T * nvg;
+  uint16_t* vzr = reinterpret_cast<uint16_t*>(page + L.vzero) + h * T * nvg;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t gg = 0; gg < nvg; ++gg) {
+      const float* x = v + t * D + gg * vg;
+      float mn = kInf, mx = -kInf;
+      for (int64_t d = 0; d < vg; ++d) {
+        mn = std::min(mn, x[d]);
+        mx = std::max(mx, x[d]);
+      }
+      float scale, zero;
+      fit_scale_zero(mn, mx, vmax, vsc[t * nvg + gg], vzr[t * nvg + gg], scale, zero);
+      for (int64_t d = 0; d < vg; ++d) codes[t * D + gg * vg + d] = code_of(x[d], scale, zero, vmax);
+    }
+  }
+  uint8_t* vc = page + L.vcodes + h * T * cv;
+  for (int64_t t = 0; t < T; ++t) pack_row(codes + t * D, D, L.vb, vc + t * cv);
+}
+
+// update_layer (kvtier.vllm.paged): pack the blocks this step fills (gather_rows, encode_keys,
+// encode_values; reads side rows: before any side write), then the other new tokens into their side rows.
 template <typename scalar_t>
 void update_impl(const Layout& L, torch::Tensor pages, torch::Tensor side, torch::Tensor key, torch::Tensor value,
                  torch::Tensor enc, torch::Tensor writes) {
-  const int64_t H = L.H, D = L.D, T = L.T, s = L.s, kg = L.kg, vg = L.vg;
-  const int64_t nkg = T / kg, nvg = D / vg, cb = D / 2, cv = L.vrow();
-  const float vmax = static_cast<float>((1 << L.vb) - 1);
-  scalar_t* sp = side.data_ptr<scalar_t>();
-  const scalar_t* kp = key.data_ptr<scalar_t>();
-  const scalar_t* vp = value.data_ptr<scalar_t>();
+  const int64_t H = L.H, D = L.D, T = L.T;
+  const NewRows<scalar_t> N{side.data_ptr<scalar_t>(), key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(),
+                            key.stride(0), key.stride(1), value.stride(0), value.stride(1), 2 * H * D};
   uint8_t* pg = pages.data_ptr<uint8_t>();
   const int64_t* en = enc.data_ptr<int64_t>();
-  const int64_t ks0 = key.stride(0), ks1 = key.stride(1), vs0 = value.stride(0), vs1 = value.stride(1);
-  const int64_t side_row = 2 * H * D;
-  const int64_t used = L.vcodes + H * T * cv;
-  const int64_t nenc = enc.size(0);
-  // ---- pack the blocks this step fills (reads side rows: before any side write) ----
-  at::parallel_for(0, nenc * H, 1, [&](int64_t begin, int64_t end) {
+  const int64_t used = L.vcodes + H * T * L.vrow();
+  at::parallel_for(0, enc.size(0) * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> k(T * D), v(T * D);
     std::vector<uint8_t> codes(T * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H, h = task % H;
       const int64_t* e = en + 4 * b;  // page, side slot, side rows, first new token
-      const int64_t slot = e[1], start = e[2], first = e[3];
       uint8_t* page = pg + e[0] * L.page;
       if (h == 0) std::memset(page + used, 0, L.page - used);
-      for (int64_t t = 0; t < T; ++t) {
-        const scalar_t* kr = t < start ? sp + (slot * T + t) * side_row + h * D : kp + (first + t - start) * ks0 + h * ks1;
-        const scalar_t* vr =
-            t < start ? sp + (slot * T + t) * side_row + H * D + h * D : vp + (first + t - start) * vs0 + h * vs1;
-        load_row(kr, k.data() + t * D, D);
-        load_row(vr, v.data() + t * D, D);
-        if (t < s) {
-          scalar_t* sk = reinterpret_cast<scalar_t*>(page + L.sink) + ((h * s + t) * 2) * D;
-          std::memcpy(sk, kr, D * sizeof(scalar_t));
-          std::memcpy(sk + D, vr, D * sizeof(scalar_t));
-        }
-      }
-      // keys: per channel over each group of kg tokens (the block's first s tokens left out of the range)
-      uint16_t* ksc = reinterpret_cast<uint16_t*>(page + L.kscale) + h * nkg * D;
-      uint16_t* kzr = reinterpret_cast<uint16_t*>(page + L.kzero) + h * nkg * D;
-      for (int64_t g = 0; g < nkg; ++g) {
-        for (int64_t d = 0; d < D; ++d) {
-          float mn = kInf, mx = -kInf;
-          for (int64_t t = std::max(g * kg, s); t < (g + 1) * kg; ++t) {
-            mn = std::min(mn, k[t * D + d]);
-            mx = std::max(mx, k[t * D + d]);
-          }
-          float scale, zero;
-          fit_scale_zero(mn, mx, 15.f, ksc[g * D + d], kzr[g * D + d], scale, zero);
-          for (int64_t t = g * kg; t < (g + 1) * kg; ++t) codes[t * D + d] = code_of(k[t * D + d], scale, zero, 15.f);
-        }
-      }
-      uint8_t* kc = page + L.kcodes + h * T * cb;
-      for (int64_t t = 0; t < T; ++t) pack_row(codes.data() + t * D, D, 4, kc + t * cb);
-      // values: per token over groups of vg channels
-      uint16_t* vsc = reinterpret_cast<uint16_t*>(page + L.vscale) + h * T * nvg;
-      uint16_t* vzr = reinterpret_cast<uint16_t*>(page + L.vzero) + h * T * nvg;
-      for (int64_t t = 0; t < T; ++t) {
-        for (int64_t gg = 0; gg < nvg; ++gg) {
-          const float* x = v.data() + t * D + gg * vg;
-          float mn = kInf, mx = -kInf;
-          for (int64_t d = 0; d < vg; ++d) {
-            mn = std::min(mn, x[d]);
-            mx = std::max(mx, x[d]);
-          }
-          float scale, zero;
-          fit_scale_zero(mn, mx, vmax, vsc[t * nvg + gg], vzr[t * nvg + gg], scale, zero);
-          for (int64_t d = 0; d < vg; ++d) codes[t * D + gg * vg + d] = code_of(x[d], scale, zero, vmax);
-        }
-      }
-      uint8_t* vc = page + L.vcodes + h * T * cv;
-      for (int64_t t = 0; t < T; ++t) pack_row(codes.data() + t * D, D, L.vb, vc + t * cv);
+      gather_rows(L, N, h, e[1], e[2], e[3], page, k.data(), v.data());
+      encode_keys(L, h, k.data(), codes.data(), page);
+      encode_values(L, h, v.data(), codes.data(), page);
     }
   });
-  // ---- the other new tokens into their side rows ----
   const int64_t* w = writes.data_ptr<int64_t>();
   for (int64_t i = 0; i < writes.size(0); ++i) {
     const int64_t row = w[2 * i], tok = w[2 * i + 1];
-    scalar_t* dst = sp + row * side_row;
+    scalar_t* dst = N.sp + row * N.side_row;
     for (int64_t h = 0; h < H; ++h) {
-      std::memcpy(dst + h * D, kp + tok * ks0 + h * ks1, D * sizeof(scalar_t));
-      std::memcpy(dst + H * D + h * D, vp + tok * vs0 + h * vs1, D * sizeof(scalar_t));
+      std::memcpy(dst + h * D, N.kp + tok * N.ks0 + h * N.ks1, D * sizeof(scalar_t));
+      std::memcpy(dst + H * D + h * D, N.vp + tok * N.vs0 + h * N.vs1, D * sizeof(scalar_t));
     }
   }
 }
+
+// --- decode ---
 
 // Decode whole pages into token-major rows of the model dtype: PageFormat.decode(pages, dtype), the
 // same fp32 operations ((c - z) * s, then rounded once), written at out[i * T + t, h, :].
