@@ -463,6 +463,122 @@ inline void values64_rows(const int64_t* rk, int64_t nr, const uint8_t* V, int64
 }
 #endif
 
+// --- offload_attend (kvtier.attention.offloaded.attend_blocks_torch), one (batch, KV head) at a time ---
+
+// One task's online-softmax state (m, s, acc per row: running max, sum, unnormalized output) and buffers.
+struct AttendState {
+  std::vector<float> kf, vf, acc, m, s, sc;
+  std::vector<int64_t> rk, rv;  // the rows that keep a block; those with a valid token in it
+  AttendState(bool fast, int64_t R, int64_t T, int64_t D)
+      : kf(fast ? 0 : T * D), vf(fast ? 0 : T * D), acc(R * D), m(R), s(R), sc(R * T), rk(R), rv(R) {}
+};
+
+// The state from the previous partial (normalized out_prev [R, D], lse_prev [R]; -inf: nothing).
+void start_rows(const float* op, const float* lp, int64_t R, int64_t D, AttendState& st) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float lv = lp[r];
+    st.m[r] = lv;
+    st.s[r] = lv == NEG ? 0.f : 1.f;
+    for (int64_t d = 0; d < D; ++d) st.acc[r * D + d] = lv == NEG ? 0.f : op[r * D + d];
+  }
+}
+
+// 1. scores of the kept rows rk[0..nr) against one block's keys into sc[r * T + t] (-inf for invalid tokens).
+template <int DC>
+void block_scores(const float* qb, int64_t kaddr, int dt, const uint8_t* okb, int64_t nr, int64_t T, int64_t D,
+                  AttendState& st) {
+#if defined(__AVX512F__)  // the block routines exist only there (a discarded branch still needs them declared)
+  constexpr bool fast = DC == 64;  // records read in their dtype by the AVX-512 block routines
+  if constexpr (fast) {
+    const uint8_t* K = reinterpret_cast<const uint8_t*>(kaddr);
+    if (dt == 0) scores64_rows<0>(qb, st.rk.data(), nr, K, okb, T, st.sc.data());
+    else if (dt == 1) scores64_rows<1>(qb, st.rk.data(), nr, K, okb, T, st.sc.data());
+    else scores64_rows<2>(qb, st.rk.data(), nr, K, okb, T, st.sc.data());
+  } else
+#endif
+  {
+    to_float(reinterpret_cast<const void*>(kaddr), dt, T * D, st.kf.data());
+    for (int64_t i = 0; i < nr; ++i) {
+      const float* qr = qb + st.rk[i] * D;
+      float* x = st.sc.data() + st.rk[i] * T;
+      for (int64_t t = 0; t < T; ++t) {
+        const float* kt = st.kf.data() + t * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qr[d] * kt[d];
+        x[t] = bit(okb, t) ? dot : NEG;
+      }
+    }
+  }
+}
+
+// 2. online softmax per kept row: rescale its state to the new max, scores -> weights in place;
+//    rows with nothing valid in the block drop out. Returns the rows left (rv[0..nv)).
+int64_t online_softmax(int64_t nr, int64_t T, int64_t D, AttendState& st) {
+  int64_t nv = 0;
+  for (int64_t i = 0; i < nr; ++i) {
+    const int64_t r = st.rk[i];
+    float* x = st.sc.data() + r * T;
+    float mb = NEG;
+#pragma omp simd reduction(max : mb)
+    for (int64_t t = 0; t < T; ++t) mb = std::max(mb, x[t]);
+    if (mb == NEG) continue;
+    st.rv[nv++] = r;
+    const float mn = std::max(st.m[r], mb);
+    const float f = st.m[r] == NEG ? 0.f : std::exp(st.m[r] - mn);
+    st.s[r] *= f;
+    float* ar = st.acc.data() + r * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) ar[d] *= f;
+    st.m[r] = mn;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < T; ++t) {
+      x[t] = fexp(x[t] - mn);
+      sum += x[t];
+    }
+    st.s[r] += sum;
+  }
+  return nv;
+}
+
+// 3. the block's values weighted by the rows rv[0..nv) into acc.
+template <int DC>
+void block_values(int64_t vaddr, int dt, int64_t nv, int64_t T, int64_t D, AttendState& st) {
+#if defined(__AVX512F__)
+  constexpr bool fast = DC == 64;
+  if constexpr (fast) {
+    const uint8_t* V = reinterpret_cast<const uint8_t*>(vaddr);
+    if (dt == 0) values64_rows<0>(st.rv.data(), nv, V, T, st.sc.data(), st.acc.data());
+    else if (dt == 1) values64_rows<1>(st.rv.data(), nv, V, T, st.sc.data(), st.acc.data());
+    else values64_rows<2>(st.rv.data(), nv, V, T, st.sc.data(), st.acc.data());
+  } else
+#endif
+  {
+    to_float(reinterpret_cast<const void*>(vaddr), dt, T * D, st.vf.data());
+    for (int64_t i = 0; i < nv; ++i) {
+      const float* x = st.sc.data() + st.rv[i] * T;
+      float* ar = st.acc.data() + st.rv[i] * D;
+      for (int64_t t = 0; t < T; ++t) {
+        const float p = x[t];
+        if (p == 0.f) continue;
+        const float* vt = st.vf.data() + t * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] += p * vt[d];
+      }
+    }
+  }
+}
+
+// The rows' Partial: normalized o [R, D] and l [R] (-inf where nothing was attended).
+void finish_rows(const AttendState& st, int64_t R, int64_t D, float* o, float* l) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float inv = st.s[r] > 0.f ? 1.f / st.s[r] : 0.f;
+    for (int64_t d = 0; d < D; ++d) o[r * D + d] = st.acc[r * D + d] * inv;
+    l[r] = st.s[r] > 0.f ? st.m[r] + std::log(st.s[r]) : NEG;
+  }
+}
+
 // Exact attention over the blocks each row keeps, merged into (out_prev, lse_prev); see
 // offload_cpu.offload_attend. DC as for select_impl.
 template <int DC>
@@ -494,109 +610,29 @@ std::vector<torch::Tensor> attend_impl(torch::Tensor rows, torch::Tensor keep, t
   constexpr bool fast = false;
 #endif
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kf(fast ? 0 : T * D), vf(fast ? 0 : T * D), acc(R * D), m(R), s(R), sc(R * T);
-    std::vector<int64_t> rk(R), rv(R);
+    AttendState st(fast, R, T, D);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H;
       const float* qb = q + bh * R * D;
-      for (int64_t r = 0; r < R; ++r) {
-        const float lv = lp[bh * R + r];
-        m[r] = lv;
-        s[r] = lv == NEG ? 0.f : 1.f;
-        for (int64_t d = 0; d < D; ++d) acc[r * D + d] = lv == NEG ? 0.f : op[(bh * R + r) * D + d];
-      }
+      start_rows(op + bh * R * D, lp + bh * R, R, D, st);
       int64_t blocks = 0, pairs = 0;
       for (int64_t j = 0; j < n; ++j) {
         const int64_t kaddr = ka[bh * n + j];
         if (kaddr == 0) continue;
         int64_t nr = 0;
         for (int64_t r = 0; r < R; ++r)
-          if (kp[(bh * R + r) * n + j]) rk[nr++] = r;
+          if (kp[(bh * R + r) * n + j]) st.rk[nr++] = r;
         if (nr == 0) continue;
         ++blocks;
-        const uint8_t* okb = ok + (b * n + j) * TB;
-        // 1. scores of the kept rows into sc[r * T + t] (-inf for invalid tokens)
-#if defined(__AVX512F__)  // the block routines exist only there (a discarded branch still needs them declared)
-        if constexpr (fast) {
-          const uint8_t* K = reinterpret_cast<const uint8_t*>(kaddr);
-          if (dt == 0) scores64_rows<0>(qb, rk.data(), nr, K, okb, T, sc.data());
-          else if (dt == 1) scores64_rows<1>(qb, rk.data(), nr, K, okb, T, sc.data());
-          else scores64_rows<2>(qb, rk.data(), nr, K, okb, T, sc.data());
-        } else
-#endif
-        {
-          to_float(reinterpret_cast<const void*>(kaddr), dt, T * D, kf.data());
-          for (int64_t i = 0; i < nr; ++i) {
-            const float* qr = qb + rk[i] * D;
-            float* x = sc.data() + rk[i] * T;
-            for (int64_t t = 0; t < T; ++t) {
-              const float* kt = kf.data() + t * D;
-              float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-              for (int64_t d = 0; d < D; ++d) dot += qr[d] * kt[d];
-              x[t] = bit(okb, t) ? dot : NEG;
-            }
-          }
-        }
-        // 2. online softmax per row; rows with nothing valid in the block drop out
-        int64_t nv = 0;
-        for (int64_t i = 0; i < nr; ++i) {
-          const int64_t r = rk[i];
-          float* x = sc.data() + r * T;
-          pairs += T;
-          float mb = NEG;
-#pragma omp simd reduction(max : mb)
-          for (int64_t t = 0; t < T; ++t) mb = std::max(mb, x[t]);
-          if (mb == NEG) continue;
-          rv[nv++] = r;
-          const float mn = std::max(m[r], mb);
-          const float f = m[r] == NEG ? 0.f : std::exp(m[r] - mn);
-          s[r] *= f;
-          float* ar = acc.data() + r * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ar[d] *= f;
-          m[r] = mn;
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < T; ++t) {
-            x[t] = fexp(x[t] - mn);
-            sum += x[t];
-          }
-          s[r] += sum;
-        }
+        block_scores<DC>(qb, kaddr, dt, ok + (b * n + j) * TB, nr, T, D, st);
+        pairs += nr * T;
+        const int64_t nv = online_softmax(nr, T, D, st);
         if (nv == 0) continue;
-        // 3. values
-        const int64_t vaddr = va[bh * n + j];
-#if defined(__AVX512F__)
-        if constexpr (fast) {
-          const uint8_t* V = reinterpret_cast<const uint8_t*>(vaddr);
-          if (dt == 0) values64_rows<0>(rv.data(), nv, V, T, sc.data(), acc.data());
-          else if (dt == 1) values64_rows<1>(rv.data(), nv, V, T, sc.data(), acc.data());
-          else values64_rows<2>(rv.data(), nv, V, T, sc.data(), acc.data());
-        } else
-#endif
-        {
-          to_float(reinterpret_cast<const void*>(vaddr), dt, T * D, vf.data());
-          for (int64_t i = 0; i < nv; ++i) {
-            const float* x = sc.data() + rv[i] * T;
-            float* ar = acc.data() + rv[i] * D;
-            for (int64_t t = 0; t < T; ++t) {
-              const float p = x[t];
-              if (p == 0.f) continue;
-              const float* vt = vf.data() + t * D;
-#pragma omp simd
-              for (int64_t d = 0; d < D; ++d) ar[d] += p * vt[d];
-            }
-          }
-        }
+        block_values<DC>(va[bh * n + j], dt, nv, T, D, st);
       }
       cn[bh * 2] = blocks;
       cn[bh * 2 + 1] = pairs;
-      for (int64_t r = 0; r < R; ++r) {
-        const float inv = s[r] > 0.f ? 1.f / s[r] : 0.f;
-        for (int64_t d = 0; d < D; ++d) o[(bh * R + r) * D + d] = acc[r * D + d] * inv;
-        l[bh * R + r] = s[r] > 0.f ? m[r] + std::log(s[r]) : NEG;
-      }
+      finish_rows(st, R, D, o + bh * R * D, l + bh * R);
     }
   });
   return {out, lse, counts};
