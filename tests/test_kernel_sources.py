@@ -336,3 +336,50 @@ def test_the_generated_header_holds_the_python_values_and_names_the_build(monkey
     monkeypatch.undo()
     assert build.module_name("kvtier_demo_v1", users[0]) == name
     assert build.module_name("kvtier_demo_v1", "packed_attention.cpp") == f"kvtier_demo_v1_{build._torch_tag()}"
+
+
+# --- one definition per helper: numeric.h holds what the kernels share ---
+
+#: A function definition at namespace level: its head from the start of a line up to ``(``.
+_CPP_FUNC = re.compile(
+    r"^(?:template <[^\n]*>\n)?(?:(?:inline|static|constexpr) )*[A-Za-z_][\w:<>,*& ]*?[ *&](\w+)\(", re.MULTILINE
+)
+
+
+def _cpp_functions(text: str) -> list[tuple[str, str]]:
+    """(name, whitespace-normalized text) of each namespace-level function defined (not declared) in C++ ``text``."""
+    code = _cpp_code(text)
+    out = []
+    for m in _CPP_FUNC.finditer(code):
+        brace, semi = code.find("{", m.end()), code.find(";", m.end())
+        if brace < 0 or (0 <= semi < brace):
+            continue  # a declaration
+        depth, i = 0, brace
+        while True:
+            depth += {"{": 1, "}": -1}.get(code[i], 0)
+            if depth == 0:
+                break
+            i += 1
+        out.append((m.group(1), " ".join(code[m.start() : i + 1].split())))
+    return out
+
+
+def test_every_kernel_includes_numeric_h_and_no_helper_is_defined_twice():
+    """The shared numeric helpers (exp, half / bf16 conversions, loads, dots) live in ``numeric.h``,
+    included by every kernel; no function is defined in two sources, nor twice with the same body
+    under two names (a copied helper)."""
+    kernels = [p for p in sorted(CSRC.glob("*.cpp")) if p.name != "parallel_probe.cpp"]
+    missing = [p.name for p in kernels if '#include "numeric.h"' not in p.read_text(encoding="utf-8")]
+    assert not missing, f"kernels not including numeric.h: {missing}"
+    where: dict[str, list[str]] = {}
+    bodies: dict[str, list[str]] = {}
+    for path in sorted(CSRC.glob("*")):
+        for name, body in _cpp_functions(path.read_text(encoding="utf-8")):
+            where.setdefault(name, []).append(path.name)
+            bodies.setdefault(body.split("(", 1)[1], []).append(f"{path.name}:{name}")
+    shared = {"numeric.h", "common.h", "page_codes.h"}
+    twice = {n: fs for n, fs in where.items() if len(fs) > 1 and (len(set(fs)) < len(fs) or shared & set(fs))}
+    assert not twice, f"functions defined twice (keep one, in a shared header): {twice}"
+    copies = [names for names in bodies.values() if len(names) > 1]
+    assert not copies, f"functions with the same body (one helper in numeric.h): {copies}"
+    assert {"fexp", "half_to_float", "exp512", "dot_n"} <= {n for n, fs in where.items() if fs == ["numeric.h"]}

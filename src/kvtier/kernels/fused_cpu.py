@@ -21,7 +21,7 @@ per-tier path it replaces (torch partials + :func:`kvtier.attention.partials.mer
 tests compare it with. When the build fails :func:`available` is False and callers use that path.
 
 The C++ is ``csrc/layer_attention.cpp`` (with ``csrc/common.h``, shared with :mod:`kvtier.kernels.cpu`, and
-``csrc/simd_exp.h``'s 16-token transpose-and-add for key scores, shared with the vLLM page kernel),
+``csrc/numeric.h``'s 16-token transpose-and-add for key scores, shared with the vLLM page kernel),
 built by :mod:`kvtier.kernels.build`. Imports only torch, ``.build`` and the codecs' affine table.
 """
 
@@ -38,7 +38,7 @@ from . import build
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_fused_cpu_v13", "layer_attention.cpp", ["layer_attention"], ("-fno-math-errno", "-fno-trapping-math")
+        "kvtier_fused_cpu_v15", "layer_attention.cpp", ["layer_attention"], ("-fno-math-errno", "-fno-trapping-math")
     )
 
 

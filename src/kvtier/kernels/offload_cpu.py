@@ -45,7 +45,7 @@ DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_offload_cpu_v5",
+        "kvtier_offload_cpu_v8",
         "offload_attention.cpp",
         ["offload_select", "offload_attend"],
         ("-fno-math-errno", "-fno-trapping-math"),

@@ -24,7 +24,7 @@ from . import build
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_prefill_v8",
+        "kvtier_prefill_v10",
         "prefill_attention.cpp",
         ["prefill_attend", "prefill_attend_paged", "prefill_supported", "prefill_paged_supported"],
         ("-fno-math-errno",),

@@ -24,7 +24,7 @@ from . import build
 
 @functools.lru_cache(maxsize=1)
 def _module():
-    return build.load("kvtier_sketch_cpu_v3", "sketch_block_lse.cpp", ["sketch_block_lse"], ())
+    return build.load("kvtier_sketch_cpu_v4", "sketch_block_lse.cpp", ["sketch_block_lse"], ())
 
 
 @functools.lru_cache(maxsize=1)

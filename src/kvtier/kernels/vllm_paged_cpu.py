@@ -26,7 +26,7 @@ from . import build
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_vllm_paged_v14",
+        "kvtier_vllm_paged_v19",
         "vllm_paged_attention.cpp",
         ["vllm_paged_attend", "vllm_paged_update", "vllm_paged_decode"],
         ("-fno-math-errno",),

@@ -16,27 +16,9 @@
 #endif
 
 #include "common.h"
-#include "simd_exp.h"
+#include "numeric.h"
 
 namespace {
-
-constexpr float NEG = -std::numeric_limits<float>::infinity();
-
-// exp(x) for x <= 0 (Cephes polynomial, ~1 ulp), 0 below -87; written so loops vectorize.
-inline float fexp(float x) {
-  const float xc = std::max(x, -87.0f);
-  const float k = std::floor(xc * 1.44269504088896341f + 0.5f);
-  const float r = xc - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500E-4f;
-  p = p * r + 1.3981999507E-3f;
-  p = p * r + 8.3334519073E-3f;
-  p = p * r + 4.1665795894E-2f;
-  p = p * r + 1.6666665459E-1f;
-  p = p * r + 5.0000001201E-1f;
-  p = p * r * r + r + 1.0f;
-  const float s = std::bit_cast<float>(((int32_t)k + 127) << 23);
-  return x < -87.0f ? 0.0f : p * s;
-}
 
 // --- fixed-shape code paths: (bits, D) known at compile time, so every loop unrolls into SIMD ---
 constexpr int width_at(int bits, int k) {
@@ -53,18 +35,15 @@ constexpr int npos_of(int bits, int D) {
   return combined(bits) ? npad_of(bits, D) : npad_of(bits, D) * planes;
 }
 
-// Byte -> its 8 one-bit or 4 two-bit sub-values as floats, in channel order.
-struct Luts {
-  alignas(32) float b1[256][8];
-  alignas(16) float b2[256][4];
-  Luts() {
-    for (int b = 0; b < 256; ++b) {
-      for (int i = 0; i < 8; ++i) b1[b][i] = float((b >> i) & 1);
-      for (int i = 0; i < 4; ++i) b2[b][i] = float((b >> (2 * i)) & 3);
-    }
+// Byte -> its 4 two-bit sub-values as floats, in channel order (one-bit ones: numeric.h's kBits).
+struct Bits4x2 {
+  alignas(16) float v[256][4];
+  Bits4x2() {
+    for (int b = 0; b < 256; ++b)
+      for (int i = 0; i < 4; ++i) v[b][i] = float((b >> (2 * i)) & 3);
   }
 };
-const Luts kLut;
+const Bits4x2 kBits2;
 
 // True when the fast path lays a width-W plane out in channel order (a table lookup per byte);
 // wider planes stay in term order (each term is one shift of every byte: a SIMD loop).
@@ -74,9 +53,9 @@ template <int W, int NPAD>
 inline void plane(const uint8_t* __restrict code, float* __restrict u) {
   constexpr int per = 8 / W, size = NPAD / per, mask = (1 << W) - 1;
   if constexpr (W == 1) {
-    for (int j = 0; j < size; ++j) std::memcpy(u + 8 * j, kLut.b1[code[j]], 8 * sizeof(float));
+    for (int j = 0; j < size; ++j) std::memcpy(u + 8 * j, kBits.v[code[j]], 8 * sizeof(float));
   } else if constexpr (W == 2) {
-    for (int j = 0; j < size; ++j) std::memcpy(u + 4 * j, kLut.b2[code[j]], 4 * sizeof(float));
+    for (int j = 0; j < size; ++j) std::memcpy(u + 4 * j, kBits2.v[code[j]], 4 * sizeof(float));
   } else {
     for (int i = 0; i < per; ++i) {
 #pragma omp simd
@@ -100,45 +79,6 @@ inline void unpack_t(const uint8_t* __restrict code, float* __restrict u) {
   plane<W0, NPAD>(code, u);
   if constexpr (W1 > 0) plane<W1, NPAD>(code + NPAD / (8 / W0), u + NPAD);
   if constexpr (W2 > 0) plane<W2, NPAD>(code + NPAD / (8 / W0) + NPAD / (8 / W1), u + 2 * NPAD);
-}
-
-// Lane-wise partial sums, then a fixed tree over the lanes: SIMD without -ffast-math (a plain
-// reduction ends in a serial chain of scalar adds, which dominated the score loop).
-template <int L>
-inline float hsum(float* p) {
-  if constexpr (L == 1) {
-    return p[0];
-  } else {
-#pragma omp simd
-    for (int l = 0; l < L / 2; ++l) p[l] += p[l + L / 2];
-    return hsum<L / 2>(p);
-  }
-}
-
-template <int N>
-inline float dot_t(const float* __restrict a, const float* __restrict b) {
-  constexpr int L = N % 16 == 0 ? 16 : (N % 8 == 0 ? 8 : 1);
-  alignas(64) float p[L];
-#pragma omp simd
-  for (int l = 0; l < L; ++l) p[l] = a[l] * b[l];
-  for (int k = 1; k < N / L; ++k) {
-#pragma omp simd
-    for (int l = 0; l < L; ++l) p[l] += a[k * L + l] * b[k * L + l];
-  }
-  return hsum<L>(p);
-}
-
-// Runtime-length dot with the same lane tree (tails summed in order).
-inline float dot_n(const float* __restrict a, const float* __restrict b, int64_t n) {
-  alignas(64) float p[16] = {0.f};
-  int64_t k = 0;
-  for (; k + 16 <= n; k += 16) {
-#pragma omp simd
-    for (int l = 0; l < 16; ++l) p[l] += a[k + l] * b[k + l];
-  }
-  float acc = hsum<16>(p);
-  for (; k < n; ++k) acc += a[k] * b[k];
-  return acc;
 }
 
 // s[r * N + tt] = bias[r] + qs[r] . codes(tt) for the T tokens of one block (NEG where invalid).
@@ -229,22 +169,9 @@ inline void load_row(const void* p, int64_t kind, int64_t D, float* out) {
   if (kind == 0) {
     std::memcpy(out, p, D * sizeof(float));
   } else if (kind == 1) {  // float16
-    const uint16_t* h = static_cast<const uint16_t*>(p);
-    int64_t c = 0;
-#if defined(__F16C__)
-    for (; c + 8 <= D; c += 8)
-      _mm256_storeu_ps(out + c, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + c))));
-#endif
-    for (; c < D; ++c) out[c] = static_cast<float>(c10::Half(h[c], c10::Half::from_bits()));
+    halves_to_floats8(static_cast<const uint16_t*>(p), out, D);
   } else {  // bfloat16
-    const uint16_t* h = static_cast<const uint16_t*>(p);
-#pragma omp simd
-    for (int64_t c = 0; c < D; ++c) {
-      const uint32_t b = uint32_t(h[c]) << 16;
-      float f;
-      std::memcpy(&f, &b, 4);
-      out[c] = f;
-    }
+    bf16s_to_floats(static_cast<const uint16_t*>(p), out, D);
   }
 }
 
@@ -370,24 +297,12 @@ int64_t kind_of(const torch::Tensor& t) {
   return 2;
 }
 
-}  // namespace
+// --- the arguments: exact segments and packed tiers ---
 
-// rows [B,H,R,D] fp32 (scaled). exact: 3 tensors per segment: k, v [B,H,L,D] (last axis contiguous),
-// mask bool [Bm,Rm,L] (Bm in {1,B}, Rm in {1,R}). tiers: 8 tensors per tier: k_codes [B,H,n,T,P],
-// k_scale, k_zero (or k_mean) [B,H,n,1,D], v_codes, v_scale, v_zero (or v_mean) [B,H,n,T,NG],
-// valid [B,n,T], rot ([D,D] or empty); tier_info: (key bits, value bits, start, affine mode) per tier.
-// Returns out [B,H,R,D] (normalized, merged), lse [B,H,R], counts int64 [B*H, 1 + ntiers, 3].
-std::vector<torch::Tensor> layer_attention(
-    torch::Tensor rows, std::vector<torch::Tensor> exact, std::vector<torch::Tensor> tiers,
-    std::vector<int64_t> tier_info, int64_t sel_method, double sel_level, torch::Tensor forced_from) {
-  TORCH_CHECK(rows.dtype() == torch::kFloat32 && rows.is_contiguous(), "rows: contiguous float32");
-  TORCH_CHECK(exact.size() % 3 == 0 && tiers.size() % 8 == 0 && tier_info.size() * 8 == tiers.size() * 4,
-              "exact: 3 tensors per segment, tiers: 8 per tier, tier_info: 4 per tier");
-  const int64_t B = rows.size(0), H = rows.size(1), R = rows.size(2), D = rows.size(3);
-  const int64_t NE = exact.size() / 3, NT = tiers.size() / 8;
-
+// The exact segments' k, v and mask (3 tensors per segment).
+std::vector<Exact> read_exact(const std::vector<torch::Tensor>& exact, int64_t D) {
   std::vector<Exact> ex;
-  for (int64_t s = 0; s < NE; ++s) {
+  for (size_t s = 0; s < exact.size() / 3; ++s) {
     const auto &k = exact[3 * s], &v = exact[3 * s + 1], &m = exact[3 * s + 2];
     TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.size(3) == D && k.stride(3) == 1 &&
                     v.strides() == k.strides() && k.scalar_type() == v.scalar_type(),
@@ -398,8 +313,13 @@ std::vector<torch::Tensor> layer_attention(
                   m.data_ptr<bool>(), m.size(0) == 1 ? 0 : m.stride(0), m.size(1) == 1 ? 0 : m.stride(1),
                   m.stride(2)});
   }
+  return ex;
+}
+
+// The packed tiers (8 tensors and 4 ints of tier_info per tier), each side with its position maps.
+std::vector<Tier> read_tiers(const std::vector<torch::Tensor>& tiers, const std::vector<int64_t>& tier_info, int64_t D) {
   std::vector<Tier> tv;
-  for (int64_t s = 0; s < NT; ++s) {
+  for (size_t s = 0; s < tiers.size() / 8; ++s) {
     const torch::Tensor* f = &tiers[8 * s];
     for (int i = 0; i < 7; ++i) TORCH_CHECK(f[i].is_contiguous(), "tier tensors must be contiguous");
     Tier t;
@@ -440,8 +360,424 @@ std::vector<torch::Tensor> layer_attention(
     }
     tv.push_back(std::move(t));
   }
-  const int64_t* ff = sel_method ? forced_from.data_ptr<int64_t>() : nullptr;
-  const float LN2 = std::log(2.0f);
+  return tv;
+}
+
+// Sizes of one call: rows per KV head R, head dim D, tiers NT, exact tokens LE, and the largest tier's.
+struct Shape {
+  int64_t R, D, NT, LE = 0, maxN = 0, maxP = 0, maxT = 0, maxpos = 0, maxNG = 1;
+  Shape(int64_t R_, int64_t D_, const std::vector<Exact>& ex, const std::vector<Tier>& tv)
+      : R(R_), D(D_), NT((int64_t)tv.size()) {
+    for (const auto& t : tv) {
+      maxN = std::max(maxN, t.n * t.T);
+      maxP = std::max(maxP, std::max(t.ks.P, t.vs.P));
+      maxT = std::max(maxT, t.T);
+      maxpos = std::max(maxpos, std::max(t.ks.npos, t.vs.npos));
+      maxNG = std::max(maxNG, t.NG);
+    }
+    for (const auto& e : ex) LE += e.L;
+  }
+};
+
+// Token selection of kvtier.attention.sparse.select_tokens: method 0 none, 1 mass, 2 quantile;
+// forced_from[r]: the first token of row r's local window (always kept).
+struct Select {
+  int64_t method;
+  double level;
+  const int64_t* forced_from;
+  float LN2;
+};
+
+// One task's buffers (a run of (batch, KV head) pairs); the exact part's and each tier's results.
+struct Work {
+  std::vector<float> se, kf, eacc, emax, esum;
+  std::vector<float> sc, e, qs, qr;
+  std::vector<float> ka, kb, bias, uf, u, vacc, zacc, tacc;
+  std::vector<float> tlse, tkept, tout, tmp;
+  std::vector<int> bk;
+  std::vector<uint8_t> ct, anyrow;
+  explicit Work(const Shape& S)
+      : se(S.R * std::max<int64_t>(S.LE, 1)), kf(S.D), eacc(S.R * S.D), emax(S.R), esum(S.R),
+        sc(S.R * std::max<int64_t>(S.maxN, 1)), e(std::max<int64_t>(S.maxN, 1)), qs(S.R * S.maxpos), qr(S.R * S.D),
+        ka(S.D), kb(S.D), bias(S.R), uf(S.maxT), u(S.maxpos), vacc(S.R * S.maxpos), zacc(S.R * S.maxNG),
+        tacc(S.R * S.D), tlse(S.R * S.NT), tkept(S.R * S.NT), tout(S.NT * S.R * S.D),
+        bk(std::max<int64_t>(S.maxN, 1)), ct(S.maxP * S.maxT), anyrow(std::max<int64_t>(S.maxN, 1)) {}
+};
+
+// --- exact_partial (kvtier.attention.partials): the exact segments of one (batch, KV head) ---
+
+// Scores se[r * LE + l] of every exact token (-inf where the mask disallows it); returns the
+// (row, token) pairs allowed.
+int64_t exact_scores(const std::vector<Exact>& ex, int64_t b, int64_t h, const float* qb, const Shape& S, Work& w) {
+  const int64_t R = S.R, D = S.D, LE = S.LE;
+  int64_t col = 0, epairs = 0;
+  for (const auto& x : ex) {
+    for (int64_t l = 0; l < x.L; ++l) {
+      load_row(x.k + (b * x.sB + h * x.sH + l * x.sL) * x.esize, x.kind, D, w.kf.data());
+      for (int64_t r = 0; r < R; ++r) {
+        const bool allowed = x.mask[b * x.mB + r * x.mR + l * x.mL];
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t c = 0; c < D; ++c) acc += qb[r * D + c] * w.kf[c];
+        w.se[r * LE + col + l] = allowed ? acc : NEG;
+        epairs += allowed;
+      }
+    }
+    col += x.L;
+  }
+  return epairs;
+}
+
+// Softmax of each row's exact scores in place (unnormalized: emax, esum kept apart).
+void exact_softmax(const Shape& S, Work& w) {
+  const int64_t LE = S.LE;
+  for (int64_t r = 0; r < S.R; ++r) {
+    float* s = w.se.data() + r * LE;
+    float m = NEG;
+    for (int64_t l = 0; l < LE; ++l) m = std::max(m, s[l]);
+    w.emax[r] = m;
+    float sum = 0.f;
+    if (m != NEG) {
+#pragma omp simd reduction(+ : sum)
+      for (int64_t l = 0; l < LE; ++l) {
+        s[l] = s[l] == NEG ? 0.f : fexp(s[l] - m);
+        sum += s[l];
+      }
+    }
+    w.esum[r] = sum;
+  }
+}
+
+// eacc[r] = sum of p * v over the exact tokens; returns the value rows read.
+int64_t exact_values(const std::vector<Exact>& ex, int64_t b, int64_t h, const Shape& S, Work& w) {
+  const int64_t R = S.R, D = S.D, LE = S.LE;
+  std::fill(w.eacc.begin(), w.eacc.end(), 0.f);
+  int64_t col = 0, read = 0;
+  for (const auto& x : ex) {
+    for (int64_t l = 0; l < x.L; ++l) {
+      bool loaded = false;
+      for (int64_t r = 0; r < R; ++r) {
+        const float p = w.se[r * LE + col + l];
+        if (w.emax[r] == NEG || p == 0.f) continue;
+        if (!loaded) {
+          load_row(x.v + (b * x.sB + h * x.sH + l * x.sL) * x.esize, x.kind, D, w.kf.data());
+          loaded = true;
+        }
+        float* acc = w.eacc.data() + r * D;
+#pragma omp simd
+        for (int64_t c = 0; c < D; ++c) acc[c] += p * w.kf[c];
+      }
+      read += loaded;
+    }
+    col += x.L;
+  }
+  return read;
+}
+
+// --- packed_partial (kvtier.attention.partials): one packed tier of one (batch, KV head) ---
+
+// The rows in the tier's rotated basis (q @ rot), or the rows themselves when it has no rotation.
+const float* rotate_rows(const Tier& t, const float* qb, const Shape& S, Work& w) {
+  if (!t.rot) return qb;
+  const int64_t R = S.R, D = S.D;
+  std::fill(w.qr.begin(), w.qr.end(), 0.f);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < D; ++j) {  // qr[r] += q[r, j] * rot[j, :]
+      const float qj = qb[r * D + j];
+      const float* rj = t.rot + j * D;
+      float* dst = w.qr.data() + r * D;
+#pragma omp simd
+      for (int64_t c = 0; c < D; ++c) dst[c] += qj * rj[c];
+    }
+  return w.qr.data();
+}
+
+// Key scores sc[r * N + x] = q_r . (a * codes_x + b) of the tier's N tokens (-inf where invalid):
+// per block, the rows times the key scales at each unpacked position (qs) and q . b (bias), then
+// the codes weighted by qs (the fixed-shape path, or the runtime loops over the block's bytes).
+void key_scores(const Tier& t, int64_t bh, int64_t b, const float* qt, const Shape& S, Work& w) {
+  const Side& kside = t.ks;
+  const int64_t R = S.R, D = S.D;
+  const int64_t n = t.n, T = t.T, P = kside.P, N = n * T, npos = kside.npos;
+  for (int64_t blk = 0; blk < n; ++blk) {
+    t.km.ab((bh * n + blk) * D, D, w.ka.data(), w.kb.data(), w.kf.data());
+    const float* a = w.ka.data();
+    const float* bo = w.kb.data();
+    for (int64_t r = 0; r < R; ++r) {
+      w.bias[r] = dot_n(qt + r * D, bo, D);
+      float* wr = w.qs.data() + r * npos;
+      if (kside.identity) {  // positions are channels (whole codes): a SIMD product
+        const float* qr_ = qt + r * D;
+#pragma omp simd
+        for (int64_t c = 0; c < D; ++c) wr[c] = qr_[c] * a[c];
+        for (int64_t k = D; k < npos; ++k) wr[k] = 0.f;
+        continue;
+      }
+      for (int64_t k = 0; k < npos; ++k) {
+        const int64_t c = kside.pchan[k];
+        wr[k] = c < D ? qt[r * D + c] * a[c] * kside.pw[k] : 0.f;
+      }
+    }
+    const uint8_t* codes = t.kc + ((bh * n + blk) * T) * P;
+    const bool* okb = t.ok + (b * n + blk) * T;
+    if (kside.fast.scores) {
+      kside.fast.scores(codes, okb, T, P, R, w.qs.data(), w.bias.data(), w.sc.data() + blk * T, N);
+      continue;
+    }
+    // runtime shapes: the block's key bytes channel-major, ct[p * T + tt], loops over tokens
+    for (int64_t tt = 0; tt < T; ++tt)
+      for (int64_t p = 0; p < P; ++p) w.ct[p * T + tt] = codes[tt * P + p];
+    for (int64_t r = 0; r < R; ++r) {
+      float* s = w.sc.data() + r * N + blk * T;
+      const float bi = w.bias[r];
+#pragma omp simd
+      for (int64_t tt = 0; tt < T; ++tt) s[tt] = bi;
+    }
+    int64_t pos = 0;
+    for (const auto& term : kside.terms) {
+      const int sh = (int)term.shift, mk = (int)term.mask;
+      for (int64_t j = 0; j < term.nbytes; ++j, ++pos) {
+        const uint8_t* cb = w.ct.data() + (term.start + j) * T;
+#pragma omp simd
+        for (int64_t tt = 0; tt < T; ++tt) w.uf[tt] = float((cb[tt] >> sh) & mk);
+        for (int64_t r = 0; r < R; ++r) {
+          const float wq = w.qs[r * npos + pos];
+          float* s = w.sc.data() + r * N + blk * T;
+#pragma omp simd
+          for (int64_t tt = 0; tt < T; ++tt) s[tt] += wq * w.uf[tt];
+        }
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      float* s = w.sc.data() + r * N + blk * T;
+      for (int64_t tt = 0; tt < T; ++tt) if (!okb[tt]) s[tt] = NEG;
+    }
+  }
+}
+
+// select_tokens (kvtier.attention.sparse) over one row: row[x] = ee[x] where token x is kept (its
+// score >= the quantile, or its weight bucket within the mass cut, or in the local window), else 0;
+// anyrow marks the tokens kept by some row. Returns the kept weight; nkept counts the kept tokens.
+float select_tokens(const Tier& t, float* row, const float* ee, int64_t N, int64_t nvalid, float m, float sum,
+                    int64_t r, const Select& sel, Work& w, int64_t& nkept) {
+  float thr = NEG;     // quantile: keep scores >= thr
+  int64_t kstar = 64;  // mass: keep buckets <= kstar
+  int* bk = w.bk.data();
+  if (sel.method == 2) {
+    thr = quantile_threshold(row, N, nvalid, sel.level, w.tmp);
+  } else {
+#pragma omp simd
+    for (int64_t x = 0; x < N; ++x) bk[x] = (int)std::min(63.f, std::floor((m - row[x]) / sel.LN2));  // -inf: 63
+    // four interleaved histograms: no store-to-load chain on a popular bucket
+    float hist[4][64] = {{0.f}};
+    int64_t x4 = 0;
+    for (; x4 + 4 <= N; x4 += 4)
+      for (int k = 0; k < 4; ++k) hist[k][bk[x4 + k]] += ee[x4 + k];
+    for (; x4 < N; ++x4) hist[0][bk[x4]] += ee[x4];
+    float bucket[64];
+    for (int k = 0; k < 64; ++k) bucket[k] = (hist[0][k] + hist[1][k]) + (hist[2][k] + hist[3][k]);
+    // drop at most (1 - level) of the row's mass: this tier's plus the exact tokens'
+    const float rest = w.emax[r] == NEG ? 0.f : std::exp(w.emax[r] + std::log(w.esum[r]) - m);
+    kstar = mass_cut(bucket, sum, rest, sel.level);
+  }
+  const int64_t forced = sel.forced_from[r] - t.start;  // token slots >= this are in the local window
+  float kept = 0.f;
+  int64_t nk = 0;
+  const int ks = (int)kstar;
+  uint8_t* anyrow = w.anyrow.data();
+  if (sel.method == 1) {
+#pragma omp simd reduction(+ : kept, nk)
+    for (int64_t x = 0; x < N; ++x) {
+      const bool keep = row[x] != NEG && (bk[x] <= ks || x >= forced);
+      row[x] = keep ? ee[x] : 0.f;
+      kept += row[x];
+      nk += keep;
+      anyrow[x] |= keep;
+    }
+  } else {
+    for (int64_t x = 0; x < N; ++x) {
+      const bool keep = row[x] != NEG && (row[x] >= thr || x >= forced);
+      row[x] = keep ? ee[x] : 0.f;
+      kept += row[x];
+      nk += keep;
+      anyrow[x] |= keep;
+    }
+  }
+  nkept = nk;
+  return kept;
+}
+
+// _block_softmax (kvtier.attention.partials): each row's scores -> weights exp(s - max) in place
+// (0 where masked or not selected), tlse = the row's log-sum-exp, tkept = the weight kept.
+void block_softmax(const Tier& t, int64_t ti, const Shape& S, const Select& sel, Work& w, int64_t* ctn) {
+  const int64_t R = S.R, N = t.n * t.T;
+  std::fill(w.anyrow.begin(), w.anyrow.begin() + N, 0);
+  for (int64_t r = 0; r < R; ++r) {
+    float* row = w.sc.data() + r * N;
+    float m = NEG;
+    int64_t nvalid = 0;
+#pragma omp simd reduction(max : m) reduction(+ : nvalid)
+    for (int64_t x = 0; x < N; ++x) {
+      m = std::max(m, row[x]);
+      nvalid += row[x] != NEG;
+    }
+    ctn[0] += nvalid;
+    if (m == NEG) {
+      w.tlse[ti * R + r] = NEG;
+      w.tkept[ti * R + r] = 0.f;
+      std::fill(row, row + N, 0.f);
+      continue;
+    }
+    float* ee = w.e.data();
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t x = 0; x < N; ++x) {
+      ee[x] = fexp(row[x] - m);  // masked (-inf) -> 0
+      sum += ee[x];
+    }
+    w.tlse[ti * R + r] = m + std::log(sum);
+    if (!sel.method) {
+      w.tkept[ti * R + r] = sum;
+      std::copy(ee, ee + N, row);
+      for (int64_t x = 0; x < N; ++x) w.anyrow[x] |= ee[x] > 0.f;
+      ctn[1] += nvalid;
+      continue;
+    }
+    int64_t nkept = 0;
+    const float kept = select_tokens(t, row, ee, N, nvalid, m, sum, r, sel, w, nkept);
+    ctn[1] += nkept;
+    w.tkept[ti * R + r] = kept;
+  }
+}
+
+// _weighted_codes (kvtier.attention.partials): vacc[r] = sum of p * a * codes over the kept tokens
+// (at the value side's unpacked positions), zacc[r, g] = sum of p * b per value group.
+void weighted_values(const Tier& t, int64_t bh, const Shape& S, Work& w, int64_t* ctn) {
+  const int64_t R = S.R, N = t.n * t.T;
+  std::fill(w.vacc.begin(), w.vacc.end(), 0.f);
+  std::fill(w.zacc.begin(), w.zacc.end(), 0.f);
+  const int64_t NG = t.NG;
+  const Side& vside = t.vs;
+  const int64_t vpos = vside.npos;
+  for (int64_t x = 0; x < N; ++x) {
+    if (!w.anyrow[x]) continue;
+    ++ctn[2];
+    const uint8_t* by = t.vc + (bh * N + x) * vside.P;
+    if (vside.fast.unpack) {
+      vside.fast.unpack(by, w.u.data());
+    } else {
+      int64_t pos = 0;
+      for (const auto& term : vside.terms) {
+        const int sh = (int)term.shift, mk = (int)term.mask;
+        const uint8_t* bb = by + term.start;
+        float* uu = w.u.data() + pos;
+#pragma omp simd
+        for (int64_t j = 0; j < term.nbytes; ++j) uu[j] = float((bb[j] >> sh) & mk);
+        pos += term.nbytes;
+      }
+    }
+    float a[64], bo[64];
+    for (int64_t g = 0; g < NG; ++g) {
+      a[g] = t.vm.a((bh * N + x) * NG + g);
+      bo[g] = t.vm.b((bh * N + x) * NG + g);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const float p = w.sc[r * N + x];
+      if (p == 0.f) continue;
+      for (int64_t g = 0; g < NG; ++g) w.zacc[r * NG + g] += p * bo[g];
+      float* acc = w.vacc.data() + r * vpos;
+      if (NG == 1) {
+        const float pa = p * a[0];
+        if (vside.fast.axpy) {
+          vside.fast.axpy(pa, w.u.data(), acc);
+          continue;
+        }
+#pragma omp simd
+        for (int64_t j = 0; j < vpos; ++j) acc[j] += pa * w.u[j];
+        continue;
+      }
+      float pa[64];
+      for (int64_t g = 0; g < NG; ++g) pa[g] = p * a[g];
+      const int64_t* pg = vside.pgroup.data();
+      for (int64_t k = 0; k < vpos; ++k) acc[k] += pa[pg[k]] * w.u[k];
+    }
+  }
+}
+
+// The tier's normalized output tout[ti, r] in channel order (rotated back: out @ rot^T).
+void tier_output(const Tier& t, int64_t ti, const Shape& S, Work& w) {
+  const int64_t R = S.R, D = S.D, NG = t.NG;
+  const Side& vside = t.vs;
+  const int64_t vpos = vside.npos;
+  for (int64_t r = 0; r < R; ++r) {
+    float* dst = w.tacc.data() + r * D;
+    std::fill(dst, dst + D, 0.f);
+    const float kept = w.tkept[ti * R + r];
+    if (kept == 0.f) continue;
+    const float* acc = w.vacc.data() + r * vpos;
+    for (int64_t k = 0; k < vpos; ++k)
+      if (vside.pchan[k] < D) dst[vside.pchan[k]] += acc[k] * vside.pw[k];
+    const float inv = 1.f / kept;
+    for (int64_t c = 0; c < D; ++c) dst[c] = (dst[c] + w.zacc[r * NG + c / t.G]) * inv;
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* dst = w.tout.data() + (ti * R + r) * D;
+    if (!t.rot) { std::copy(w.tacc.data() + r * D, w.tacc.data() + (r + 1) * D, dst); continue; }
+    for (int64_t c = 0; c < D; ++c) dst[c] = dot_n(w.tacc.data() + r * D, t.rot + c * D, D);  // out @ rot^T
+  }
+}
+
+// --- merge (kvtier.attention.partials): the exact part and the tiers by log-sum-exp ---
+
+// o [R, D] and ls [R] of one (batch, KV head): the partials weighted by exp(lse - max), normalized.
+void merge(const Shape& S, const Work& w, float* o, float* ls) {
+  const int64_t R = S.R, D = S.D, NT = S.NT;
+  for (int64_t r = 0; r < R; ++r) {
+    const float le = w.emax[r] == NEG ? NEG : w.emax[r] + std::log(w.esum[r]);
+    float M = le;
+    for (int64_t ti = 0; ti < NT; ++ti) M = std::max(M, w.tlse[ti * R + r]);
+    float* dst = o + r * D;
+    if (M == NEG) { ls[r] = NEG; continue; }
+    const float we = le == NEG ? 0.f : std::exp(le - M);
+    float total = we;
+    const float se_inv = we > 0.f ? we / w.esum[r] : 0.f;
+    for (int64_t c = 0; c < D; ++c) dst[c] = w.eacc[r * D + c] * se_inv;
+    for (int64_t ti = 0; ti < NT; ++ti) {
+      const float l = w.tlse[ti * R + r];
+      if (l == NEG || w.tkept[ti * R + r] == 0.f) continue;
+      const float wt = std::exp(l - M);
+      total += wt;
+      const float* src = w.tout.data() + (ti * R + r) * D;
+      for (int64_t c = 0; c < D; ++c) dst[c] += wt * src[c];
+    }
+    const float inv = 1.f / total;
+    for (int64_t c = 0; c < D; ++c) dst[c] *= inv;
+    ls[r] = M + std::log(total);
+  }
+}
+
+}  // namespace
+
+// rows [B,H,R,D] fp32 (scaled). exact: 3 tensors per segment: k, v [B,H,L,D] (last axis contiguous),
+// mask bool [Bm,Rm,L] (Bm in {1,B}, Rm in {1,R}). tiers: 8 tensors per tier: k_codes [B,H,n,T,P],
+// k_scale, k_zero (or k_mean) [B,H,n,1,D], v_codes, v_scale, v_zero (or v_mean) [B,H,n,T,NG],
+// valid [B,n,T], rot ([D,D] or empty); tier_info: (key bits, value bits, start, affine mode) per tier.
+// Returns out [B,H,R,D] (normalized, merged), lse [B,H,R], counts int64 [B*H, 1 + ntiers, 3].
+//
+// Per (batch, KV head): exact_partial (scores, softmax, values), then per tier packed_partial
+// (rotate_rows, key_scores, block_softmax with select_tokens, weighted_values, tier_output), then merge.
+std::vector<torch::Tensor> layer_attention(
+    torch::Tensor rows, std::vector<torch::Tensor> exact, std::vector<torch::Tensor> tiers,
+    std::vector<int64_t> tier_info, int64_t sel_method, double sel_level, torch::Tensor forced_from) {
+  TORCH_CHECK(rows.dtype() == torch::kFloat32 && rows.is_contiguous(), "rows: contiguous float32");
+  TORCH_CHECK(exact.size() % 3 == 0 && tiers.size() % 8 == 0 && tier_info.size() * 8 == tiers.size() * 4,
+              "exact: 3 tensors per segment, tiers: 8 per tier, tier_info: 4 per tier");
+  const int64_t B = rows.size(0), H = rows.size(1), R = rows.size(2), D = rows.size(3);
+  const std::vector<Exact> ex = read_exact(exact, D);
+  const std::vector<Tier> tv = read_tiers(tiers, tier_info, D);
+  const Shape S(R, D, ex, tv);
+  const int64_t NT = S.NT;
+  const Select sel{sel_method, sel_level, sel_method ? forced_from.data_ptr<int64_t>() : nullptr, std::log(2.0f)};
   const float* q = rows.data_ptr<float>();
   auto out = torch::zeros({B, H, R, D}, rows.options());
   auto lse = torch::empty({B, H, R}, rows.options());
@@ -449,319 +785,29 @@ std::vector<torch::Tensor> layer_attention(
   int64_t* cnt = counts.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
   float* ls = lse.data_ptr<float>();
-  int64_t maxN = 0, maxP = 0, maxT = 0, maxpos = 0, maxNG = 1, LE = 0;
-  for (const auto& t : tv) {
-    maxN = std::max(maxN, t.n * t.T);
-    maxP = std::max(maxP, std::max(t.ks.P, t.vs.P));
-    maxT = std::max(maxT, t.T);
-    maxpos = std::max(maxpos, std::max(t.ks.npos, t.vs.npos));
-    maxNG = std::max(maxNG, t.NG);
-  }
-  for (const auto& e : ex) LE += e.L;
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> se(R * std::max<int64_t>(LE, 1)), kf(D), eacc(R * D), emax(R), esum(R);
-    std::vector<float> sc(R * std::max<int64_t>(maxN, 1)), e(std::max<int64_t>(maxN, 1)), qs(R * maxpos), qr(R * D);
-    std::vector<float> ka(D), kb(D), bias(R), uf(maxT), u(maxpos), vacc(R * maxpos), zacc(R * maxNG), tacc(R * D);
-    std::vector<float> tlse(R * NT), tkept(R * NT), tout(NT * R * D), tmp;
-    std::vector<int> bk(std::max<int64_t>(maxN, 1));
-    std::vector<uint8_t> ct(maxP * maxT), anyrow(std::max<int64_t>(maxN, 1));
+    Work w(S);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       const float* qb = q + bh * R * D;
       int64_t* cn = cnt + bh * (1 + NT) * 3;
       // 1. exact segments: scores, softmax, values
-      int64_t col = 0, epairs = 0;
-      for (const auto& x : ex) {
-        for (int64_t l = 0; l < x.L; ++l) {
-          load_row(x.k + (b * x.sB + h * x.sH + l * x.sL) * x.esize, x.kind, D, kf.data());
-          for (int64_t r = 0; r < R; ++r) {
-            const bool allowed = x.mask[b * x.mB + r * x.mR + l * x.mL];
-            float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t c = 0; c < D; ++c) acc += qb[r * D + c] * kf[c];
-            se[r * LE + col + l] = allowed ? acc : NEG;
-            epairs += allowed;
-          }
-        }
-        col += x.L;
-      }
-      cn[0] = cn[1] = epairs;
-      std::fill(eacc.begin(), eacc.end(), 0.f);
-      for (int64_t r = 0; r < R; ++r) {
-        float* s = se.data() + r * LE;
-        float m = NEG;
-        for (int64_t l = 0; l < LE; ++l) m = std::max(m, s[l]);
-        emax[r] = m;
-        float sum = 0.f;
-        if (m != NEG) {
-#pragma omp simd reduction(+ : sum)
-          for (int64_t l = 0; l < LE; ++l) {
-            s[l] = s[l] == NEG ? 0.f : fexp(s[l] - m);
-            sum += s[l];
-          }
-        }
-        esum[r] = sum;
-      }
-      col = 0;
-      for (const auto& x : ex) {
-        for (int64_t l = 0; l < x.L; ++l) {
-          bool loaded = false;
-          for (int64_t r = 0; r < R; ++r) {
-            const float p = se[r * LE + col + l];
-            if (emax[r] == NEG || p == 0.f) continue;
-            if (!loaded) {
-              load_row(x.v + (b * x.sB + h * x.sH + l * x.sL) * x.esize, x.kind, D, kf.data());
-              loaded = true;
-            }
-            float* acc = eacc.data() + r * D;
-#pragma omp simd
-            for (int64_t c = 0; c < D; ++c) acc[c] += p * kf[c];
-          }
-          cn[2] += loaded;
-        }
-        col += x.L;
-      }
+      cn[0] = cn[1] = exact_scores(ex, b, h, qb, S, w);
+      exact_softmax(S, w);
+      cn[2] += exact_values(ex, b, h, S, w);
       // 2-4. packed tiers
       for (int64_t ti = 0; ti < NT; ++ti) {
         const Tier& t = tv[ti];
-        const Side& kside = t.ks;
-        const int64_t n = t.n, T = t.T, P = kside.P, N = n * T, npos = kside.npos;
         int64_t* ctn = cn + (1 + ti) * 3;
-        const float* qt = qb;
-        if (t.rot) {  // scores and values in the rotated basis: q @ rot
-          std::fill(qr.begin(), qr.end(), 0.f);
-          for (int64_t r = 0; r < R; ++r)
-            for (int64_t j = 0; j < D; ++j) {  // qr[r] += q[r, j] * rot[j, :]
-              const float qj = qb[r * D + j];
-              const float* rj = t.rot + j * D;
-              float* dst = qr.data() + r * D;
-#pragma omp simd
-              for (int64_t c = 0; c < D; ++c) dst[c] += qj * rj[c];
-            }
-          qt = qr.data();
-        }
-        for (int64_t blk = 0; blk < n; ++blk) {
-          t.km.ab((bh * n + blk) * D, D, ka.data(), kb.data(), kf.data());
-          const float* a = ka.data();
-          const float* bo = kb.data();
-          for (int64_t r = 0; r < R; ++r) {
-            bias[r] = dot_n(qt + r * D, bo, D);
-            float* w = qs.data() + r * npos;
-            if (kside.identity) {  // positions are channels (whole codes): a SIMD product
-              const float* qr_ = qt + r * D;
-#pragma omp simd
-              for (int64_t c = 0; c < D; ++c) w[c] = qr_[c] * a[c];
-              for (int64_t k = D; k < npos; ++k) w[k] = 0.f;
-              continue;
-            }
-            for (int64_t k = 0; k < npos; ++k) {
-              const int64_t c = kside.pchan[k];
-              w[k] = c < D ? qt[r * D + c] * a[c] * kside.pw[k] : 0.f;
-            }
-          }
-          const uint8_t* codes = t.kc + ((bh * n + blk) * T) * P;
-          const bool* okb = t.ok + (b * n + blk) * T;
-          if (kside.fast.scores) {
-            kside.fast.scores(codes, okb, T, P, R, qs.data(), bias.data(), sc.data() + blk * T, N);
-            continue;
-          }
-          // runtime shapes: the block's key bytes channel-major, ct[p * T + tt], loops over tokens
-          for (int64_t tt = 0; tt < T; ++tt)
-            for (int64_t p = 0; p < P; ++p) ct[p * T + tt] = codes[tt * P + p];
-          for (int64_t r = 0; r < R; ++r) {
-            float* s = sc.data() + r * N + blk * T;
-            const float bi = bias[r];
-#pragma omp simd
-            for (int64_t tt = 0; tt < T; ++tt) s[tt] = bi;
-          }
-          int64_t pos = 0;
-          for (const auto& term : kside.terms) {
-            const int sh = (int)term.shift, mk = (int)term.mask;
-            for (int64_t j = 0; j < term.nbytes; ++j, ++pos) {
-              const uint8_t* cb = ct.data() + (term.start + j) * T;
-#pragma omp simd
-              for (int64_t tt = 0; tt < T; ++tt) uf[tt] = float((cb[tt] >> sh) & mk);
-              for (int64_t r = 0; r < R; ++r) {
-                const float w = qs[r * npos + pos];
-                float* s = sc.data() + r * N + blk * T;
-#pragma omp simd
-                for (int64_t tt = 0; tt < T; ++tt) s[tt] += w * uf[tt];
-              }
-            }
-          }
-          for (int64_t r = 0; r < R; ++r) {
-            float* s = sc.data() + r * N + blk * T;
-            for (int64_t tt = 0; tt < T; ++tt) if (!okb[tt]) s[tt] = NEG;
-          }
-        }
-        // softmax per row; selection
-        std::fill(anyrow.begin(), anyrow.begin() + N, 0);
-        for (int64_t r = 0; r < R; ++r) {
-          float* row = sc.data() + r * N;
-          float m = NEG;
-          int64_t nvalid = 0;
-#pragma omp simd reduction(max : m) reduction(+ : nvalid)
-          for (int64_t x = 0; x < N; ++x) {
-            m = std::max(m, row[x]);
-            nvalid += row[x] != NEG;
-          }
-          ctn[0] += nvalid;
-          if (m == NEG) {
-            tlse[ti * R + r] = NEG;
-            tkept[ti * R + r] = 0.f;
-            std::fill(row, row + N, 0.f);
-            continue;
-          }
-          float* ee = e.data();
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t x = 0; x < N; ++x) {
-            ee[x] = fexp(row[x] - m);  // masked (-inf) -> 0
-            sum += ee[x];
-          }
-          tlse[ti * R + r] = m + std::log(sum);
-          if (!sel_method) {
-            tkept[ti * R + r] = sum;
-            std::copy(ee, ee + N, row);
-            for (int64_t x = 0; x < N; ++x) anyrow[x] |= ee[x] > 0.f;
-            ctn[1] += nvalid;
-            continue;
-          }
-          float thr = NEG;     // quantile: keep scores >= thr
-          int64_t kstar = 64;  // mass: keep buckets <= kstar
-          if (sel_method == 2) {
-            thr = quantile_threshold(row, N, nvalid, sel_level, tmp);
-          } else {
-#pragma omp simd
-            for (int64_t x = 0; x < N; ++x) bk[x] = (int)std::min(63.f, std::floor((m - row[x]) / LN2));  // -inf: 63
-            // four interleaved histograms: no store-to-load chain on a popular bucket
-            float hist[4][64] = {{0.f}};
-            int64_t x4 = 0;
-            for (; x4 + 4 <= N; x4 += 4)
-              for (int k = 0; k < 4; ++k) hist[k][bk[x4 + k]] += ee[x4 + k];
-            for (; x4 < N; ++x4) hist[0][bk[x4]] += ee[x4];
-            float bucket[64];
-            for (int k = 0; k < 64; ++k) bucket[k] = (hist[0][k] + hist[1][k]) + (hist[2][k] + hist[3][k]);
-            // drop at most (1 - level) of the row's mass: this tier's plus the exact tokens'
-            const float rest = emax[r] == NEG ? 0.f : std::exp(emax[r] + std::log(esum[r]) - m);
-            kstar = mass_cut(bucket, sum, rest, sel_level);
-          }
-          const int64_t forced = ff[r] - t.start;  // token slots >= this are in the local window
-          float kept = 0.f;
-          int64_t nkept = 0;
-          const int ks = (int)kstar;
-          if (sel_method == 1) {
-#pragma omp simd reduction(+ : kept, nkept)
-            for (int64_t x = 0; x < N; ++x) {
-              const bool keep = row[x] != NEG && (bk[x] <= ks || x >= forced);
-              row[x] = keep ? ee[x] : 0.f;
-              kept += row[x];
-              nkept += keep;
-              anyrow[x] |= keep;
-            }
-          } else {
-            for (int64_t x = 0; x < N; ++x) {
-              const bool keep = row[x] != NEG && (row[x] >= thr || x >= forced);
-              row[x] = keep ? ee[x] : 0.f;
-              kept += row[x];
-              nkept += keep;
-              anyrow[x] |= keep;
-            }
-          }
-          ctn[1] += nkept;
-          tkept[ti * R + r] = kept;
-        }
-        // values of kept tokens
-        std::fill(vacc.begin(), vacc.end(), 0.f);
-        std::fill(zacc.begin(), zacc.end(), 0.f);
-        const int64_t NG = t.NG;
-        const Side& vside = t.vs;
-        const int64_t vpos = vside.npos;
-        for (int64_t x = 0; x < N; ++x) {
-          if (!anyrow[x]) continue;
-          ++ctn[2];
-          const uint8_t* by = t.vc + (bh * N + x) * vside.P;
-          if (vside.fast.unpack) {
-            vside.fast.unpack(by, u.data());
-          } else {
-            int64_t pos = 0;
-            for (const auto& term : vside.terms) {
-              const int sh = (int)term.shift, mk = (int)term.mask;
-              const uint8_t* bb = by + term.start;
-              float* uu = u.data() + pos;
-#pragma omp simd
-              for (int64_t j = 0; j < term.nbytes; ++j) uu[j] = float((bb[j] >> sh) & mk);
-              pos += term.nbytes;
-            }
-          }
-          float a[64], bo[64];
-          for (int64_t g = 0; g < NG; ++g) {
-            a[g] = t.vm.a((bh * N + x) * NG + g);
-            bo[g] = t.vm.b((bh * N + x) * NG + g);
-          }
-          for (int64_t r = 0; r < R; ++r) {
-            const float p = sc[r * N + x];
-            if (p == 0.f) continue;
-            for (int64_t g = 0; g < NG; ++g) zacc[r * NG + g] += p * bo[g];
-            float* acc = vacc.data() + r * vpos;
-            if (NG == 1) {
-              const float pa = p * a[0];
-              if (vside.fast.axpy) {
-                vside.fast.axpy(pa, u.data(), acc);
-                continue;
-              }
-#pragma omp simd
-              for (int64_t j = 0; j < vpos; ++j) acc[j] += pa * u[j];
-              continue;
-            }
-            float pa[64];
-            for (int64_t g = 0; g < NG; ++g) pa[g] = p * a[g];
-            const int64_t* pg = vside.pgroup.data();
-            for (int64_t k = 0; k < vpos; ++k) acc[k] += pa[pg[k]] * u[k];
-          }
-        }
-        // the tier's normalized output in channel order (rotated back)
-        for (int64_t r = 0; r < R; ++r) {
-          float* dst = tacc.data() + r * D;
-          std::fill(dst, dst + D, 0.f);
-          const float kept = tkept[ti * R + r];
-          if (kept == 0.f) continue;
-          const float* acc = vacc.data() + r * vpos;
-          for (int64_t k = 0; k < vpos; ++k)
-            if (vside.pchan[k] < D) dst[vside.pchan[k]] += acc[k] * vside.pw[k];
-          const float inv = 1.f / kept;
-          for (int64_t c = 0; c < D; ++c) dst[c] = (dst[c] + zacc[r * NG + c / t.G]) * inv;
-        }
-        for (int64_t r = 0; r < R; ++r) {
-          float* dst = tout.data() + (ti * R + r) * D;
-          if (!t.rot) { std::copy(tacc.data() + r * D, tacc.data() + (r + 1) * D, dst); continue; }
-          for (int64_t c = 0; c < D; ++c) dst[c] = dot_n(tacc.data() + r * D, t.rot + c * D, D);  // out @ rot^T
-        }
+        const float* qt = rotate_rows(t, qb, S, w);
+        key_scores(t, bh, b, qt, S, w);
+        block_softmax(t, ti, S, sel, w, ctn);
+        weighted_values(t, bh, S, w, ctn);
+        tier_output(t, ti, S, w);
       }
       // 5. log-sum-exp merge of the exact part and the tiers
-      for (int64_t r = 0; r < R; ++r) {
-        const float le = emax[r] == NEG ? NEG : emax[r] + std::log(esum[r]);
-        float M = le;
-        for (int64_t ti = 0; ti < NT; ++ti) M = std::max(M, tlse[ti * R + r]);
-        float* dst = o + (bh * R + r) * D;
-        if (M == NEG) { ls[bh * R + r] = NEG; continue; }
-        const float we = le == NEG ? 0.f : std::exp(le - M);
-        float total = we;
-        const float se_inv = we > 0.f ? we / esum[r] : 0.f;
-        for (int64_t c = 0; c < D; ++c) dst[c] = eacc[r * D + c] * se_inv;
-        for (int64_t ti = 0; ti < NT; ++ti) {
-          const float l = tlse[ti * R + r];
-          if (l == NEG || tkept[ti * R + r] == 0.f) continue;
-          const float w = std::exp(l - M);
-          total += w;
-          const float* src = tout.data() + (ti * R + r) * D;
-          for (int64_t c = 0; c < D; ++c) dst[c] += w * src[c];
-        }
-        const float inv = 1.f / total;
-        for (int64_t c = 0; c < D; ++c) dst[c] *= inv;
-        ls[bh * R + r] = M + std::log(total);
-      }
+      merge(S, w, o + bh * R * D, ls + bh * R);
     }
   });
   return {out, lse, counts};

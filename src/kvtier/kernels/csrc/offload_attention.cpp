@@ -15,80 +15,22 @@
 #include <immintrin.h>
 #endif
 
+#include "numeric.h"
+
 namespace {
-
-constexpr float NEG = -std::numeric_limits<float>::infinity();
-
-// exp(x) for x <= 0 (Cephes polynomial, ~1 ulp), 0 below -87; written so loops vectorize.
-inline float fexp(float x) {
-  const float xc = std::max(x, -87.0f);
-  const float k = std::floor(xc * 1.44269504088896341f + 0.5f);
-  const float r = xc - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500E-4f;
-  p = p * r + 1.3981999507E-3f;
-  p = p * r + 8.3334519073E-3f;
-  p = p * r + 4.1665795894E-2f;
-  p = p * r + 1.6666665459E-1f;
-  p = p * r + 5.0000001201E-1f;
-  p = p * r * r + r + 1.0f;
-  const float s = std::bit_cast<float>(((int32_t)k + 127) << 23);
-  return x < -87.0f ? 0.0f : p * s;
-}
-
-struct Bits8 {
-  alignas(32) float v[256][8];
-  Bits8() {
-    for (int b = 0; b < 256; ++b)
-      for (int i = 0; i < 8; ++i) v[b][i] = float((b >> i) & 1);
-  }
-};
-const Bits8 kBits;
-
-inline float half_to_float(uint16_t h) { return float(c10::Half(h, c10::Half::from_bits())); }
 
 // n values of storage dtype `dt` (0 fp16, 1 bf16, 2 fp32) at p -> floats.
 inline void to_float(const void* p, int dt, int64_t n, float* __restrict out) {
   if (dt == 2) {
     std::memcpy(out, p, n * sizeof(float));
   } else if (dt == 1) {
-    const uint16_t* h = static_cast<const uint16_t*>(p);
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = std::bit_cast<float>(uint32_t(h[i]) << 16);
+    bf16s_to_floats(static_cast<const uint16_t*>(p), out, n);
   } else {
-    const uint16_t* h = static_cast<const uint16_t*>(p);
-    int64_t i = 0;
-#if defined(__F16C__)
-    for (; i + 8 <= n; i += 8)
-      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
-#endif
-    for (; i < n; ++i) out[i] = half_to_float(h[i]);
+    halves_to_floats8(static_cast<const uint16_t*>(p), out, n);
   }
 }
-
-// Bit t of packed bits (LSB first, as kvtier.quant.pack_bits).
-inline bool bit(const uint8_t* bits, int64_t t) { return (bits[t >> 3] >> (t & 7)) & 1; }
 
 #if defined(__AVX512F__)
-// Horizontal sums of 16 vectors in one transposing reduction: lane l of the result is the sum of
-// v[hslot(l)] (so a caller writing token u's partial vector to v[hslot(u)] gets token u's sum in lane u).
-inline __m512 hsum16(const __m512* v) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i) {
-    const __m512 x = v[2 * i], y = v[2 * i + 1];
-    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512 x = a[2 * i], y = a[2 * i + 1];
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
-  }
-  for (int i = 0; i < 2; ++i) {
-    const __m512 x = b[2 * i], y = b[2 * i + 1];
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
-  }
-  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
-}
-constexpr int hslot(int u) { return 4 * (u & 3) + (u >> 2); }
-
 // The 16 validity bits of tokens t0 .. t0 + 15 (t0 a multiple of 8).
 inline __mmask16 bits16(const uint8_t* bits, int64_t t0) {
   return __mmask16(uint16_t(bits[t0 >> 3]) | uint16_t(bits[(t0 >> 3) + 1]) << 8);
@@ -166,6 +108,178 @@ inline float logaddexp(float a, float b) {
 
 namespace {
 
+// --- offload_select (kvtier.attention.offloaded.select_two_level_torch), one (batch, KV head) at a time ---
+
+// The sketch of one call: per block j of (batch, head) bh, index bh * n + j; sizes B, H, R rows, D
+// channels (Dp padded to the sign bytes), n blocks of T tokens (P sign bytes each, TB valid bytes).
+struct Sketch {
+  const uint8_t* sg;  // sign bits [B, H, n, T, P]
+  const uint8_t* ks;  // per-channel scale codes [B, H, n, D]
+  const int8_t* km;   // per-channel mean codes [B, H, n, D]
+  const uint8_t* al;  // per-token alpha codes [B, H, n, T]
+  const uint16_t *am, *sm, *mm;  // fp16 amax, smax, mmax [B, H, n]
+  const uint8_t* ok;  // valid bits [B, n, TB]
+  int64_t H, R, D, Dp, n, T, P, TB;
+};
+
+// One task's buffers.
+struct SelectBuffers {
+  std::vector<float> ub, sbuf, mbuf, w, bias, wsum, tot, suf, bits, abuf, x, bmax;
+  std::vector<int64_t> order, cnt, rank_order;
+  explicit SelectBuffers(const Sketch& S)
+      : ub(S.R * S.n), sbuf(S.D), mbuf(S.D), w(S.R * S.Dp, 0.f), bias(S.R), wsum(S.R), tot(S.R),
+        suf(S.R * (S.n + 1)), bits(S.T * S.Dp), abuf(S.T), x(S.R * S.T), bmax(S.n), order(S.n), cnt(S.n),
+        rank_order(S.n) {}
+};
+
+// 1. coarse_bounds: an upper bound ub[r * n + j] of each block's sketch log-sum-exp, from resident
+//    per-block data: q . mean + amax * sum_c |q_c scale_c| + log(valid tokens); cnt[j]: valid tokens.
+void coarse_bounds(const Sketch& S, int64_t bh, const float* qb, SelectBuffers& u) {
+  const int64_t b = bh / S.H, n = S.n, R = S.R, D = S.D;
+  for (int64_t j = 0; j < n; ++j) {
+    int64_t c = 0;
+    const uint8_t* okb = S.ok + (b * n + j) * S.TB;
+    for (int64_t t = 0; t < S.TB; ++t) c += std::popcount(unsigned(okb[t]));
+    u.cnt[j] = c;
+    decode_block(S.ks, S.km, S.sm, S.mm, bh * n + j, D, u.sbuf.data(), u.mbuf.data());
+    const float a = half_to_float(S.am[bh * n + j]);
+    for (int64_t r = 0; r < R; ++r) {
+      float dm = 0.f, da = 0.f;
+#pragma omp simd reduction(+ : dm, da)
+      for (int64_t d = 0; d < D; ++d) {
+        dm += qb[r * D + d] * u.mbuf[d];
+        da += std::fabs(qb[r * D + d] * u.sbuf[d]);
+      }
+      u.ub[r * n + j] = c ? dm + a * da + std::log(float(c)) : NEG;
+    }
+  }
+}
+
+// 2. The walk's order: blocks by descending bound (max over rows, ties by index), and each row's
+//    suffix log-sum-exp of the bounds in that order (suf[r * (n + 1) + p]: of positions >= p).
+void walk_order(const Sketch& S, SelectBuffers& u) {
+  const int64_t n = S.n, R = S.R;
+  for (int64_t j = 0; j < n; ++j) {
+    float mx = NEG;
+    for (int64_t r = 0; r < R; ++r) mx = std::max(mx, u.ub[r * n + j]);
+    u.bmax[j] = mx;
+  }
+  std::iota(u.order.begin(), u.order.end(), 0);
+  std::stable_sort(u.order.begin(), u.order.end(), [&](int64_t a, int64_t c) { return u.bmax[a] > u.bmax[c]; });
+  for (int64_t r = 0; r < R; ++r) {
+    float* s = u.suf.data() + r * (n + 1);
+    s[n] = NEG;
+    for (int64_t p = n - 1; p >= 0; --p) s[p] = logaddexp(s[p + 1], u.ub[r * n + u.order[p]]);
+  }
+}
+
+// token_scores (kvtier.offload.sketch) of block j: x[r * T + t] = q . mean + alpha_t (2 w . bits_t - w . 1),
+// w = q * scale (-inf for invalid tokens).
+template <int DC>
+void sketch_scores(const Sketch& S, int64_t bh, int64_t j, const float* qb, SelectBuffers& u) {
+  const int64_t b = bh / S.H, n = S.n, R = S.R, D = S.D, T = S.T, P = S.P, Dp = S.Dp;
+  decode_block(S.ks, S.km, S.sm, S.mm, bh * n + j, D, u.sbuf.data(), u.mbuf.data());
+  {
+    const float f = half_to_float(S.am[bh * n + j]) / 255.f;
+    const uint8_t* ab = S.al + (bh * n + j) * T;
+    for (int64_t t = 0; t < T; ++t) u.abuf[t] = float(ab[t]) * f;
+  }
+  const uint8_t* codes = S.sg + (bh * n + j) * T * P;
+#if defined(__AVX512F__)
+  constexpr bool masked = DC == 64;  // a token's 64 sign bits are one AVX-512 mask word
+#else
+  constexpr bool masked = false;
+#endif
+  if constexpr (!masked)
+    for (int64_t t = 0; t < T * P; ++t) std::memcpy(u.bits.data() + 8 * t, kBits.v[codes[t]], 8 * sizeof(float));
+  const uint8_t* okb = S.ok + (b * n + j) * S.TB;
+  for (int64_t r = 0; r < R; ++r) {
+    float* wr = u.w.data() + r * Dp;
+    float dm = 0.f, ws = 0.f;
+#pragma omp simd reduction(+ : dm, ws)
+    for (int64_t d = 0; d < D; ++d) {
+      wr[d] = qb[r * D + d] * u.sbuf[d];
+      dm += qb[r * D + d] * u.mbuf[d];
+      ws += wr[d];
+    }
+    u.bias[r] = dm;
+    u.wsum[r] = ws;
+  }
+#if defined(__AVX512F__)
+  if constexpr (masked) {
+    // rows in groups of up to 4 sharing each token's sign masks
+    const float *w = u.w.data(), *bias = u.bias.data(), *wsum = u.wsum.data(), *abuf = u.abuf.data();
+    float* x = u.x.data();
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      switch (std::min<int64_t>(4, R - r0)) {
+        case 4: sketch64<4>(w + r0 * 64, bias + r0, wsum + r0, codes, abuf, okb, T, x + r0 * T); break;
+        case 3: sketch64<3>(w + r0 * 64, bias + r0, wsum + r0, codes, abuf, okb, T, x + r0 * T); break;
+        case 2: sketch64<2>(w + r0 * 64, bias + r0, wsum + r0, codes, abuf, okb, T, x + r0 * T); break;
+        default: sketch64<1>(w + r0 * 64, bias + r0, wsum + r0, codes, abuf, okb, T, x + r0 * T);
+      }
+    }
+  } else
+#endif
+  {
+    for (int64_t r = 0; r < R; ++r) {
+      const float* wr = u.w.data() + r * Dp;
+      float* xr = u.x.data() + r * T;
+      for (int64_t t = 0; t < T; ++t) {
+        const float* bt = u.bits.data() + t * Dp;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += wr[d] * bt[d];
+        xr[t] = bit(okb, t) ? u.bias[r] + u.abuf[t] * (2.f * dot - u.wsum[r]) : NEG;
+      }
+    }
+  }
+}
+
+// block_lse (kvtier.offload.sketch) of block j from its token scores x: lo[r * n + j] per row, added into tot[r].
+void block_lse(const Sketch& S, int64_t j, float* lo, SelectBuffers& u) {
+  const int64_t n = S.n, T = S.T;
+  for (int64_t r = 0; r < S.R; ++r) {
+    const float* xr = u.x.data() + r * T;
+    float m = NEG;
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < T; ++t) m = std::max(m, xr[t]);
+    float s = 0.f;
+    if (m != NEG) {
+#pragma omp simd reduction(+ : s)
+      for (int64_t t = 0; t < T; ++t) s += fexp(xr[t] - m);
+    }
+    const float v = m == NEG ? NEG : m + std::log(s);
+    lo[r * n + j] = v;
+    u.tot[r] = logaddexp(u.tot[r], v);
+  }
+}
+
+// 3. keep_blocks, per row: keep scored blocks by descending estimate while the resident mass plus the
+//    kept blocks cover less than `mass` of the estimated total; caps; forced blocks (from ff[r]).
+void keep_blocks(const Sketch& S, const float* lo, const float* lr, const int64_t* ff, double mass, int64_t min_blocks,
+                 int64_t max_blocks, bool* kp, SelectBuffers& u) {
+  const int64_t n = S.n;
+  for (int64_t r = 0; r < S.R; ++r) {
+    const float* lv = lo + r * n;
+    bool* kr = kp + r * n;
+    std::iota(u.rank_order.begin(), u.rank_order.end(), 0);
+    std::stable_sort(u.rank_order.begin(), u.rank_order.end(), [&](int64_t a, int64_t c) { return lv[a] > lv[c]; });
+    const float total_raw = u.tot[r];
+    const float total = std::isfinite(total_raw) ? total_raw : 0.f;
+    float covered = std::exp(lr[r] - total);
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t j = u.rank_order[k];
+      if (lv[j] == NEG) break;
+      bool on = mass <= 0 || covered < mass;
+      if (max_blocks > 0 && k >= max_blocks) on = false;
+      if (k < min_blocks) on = true;
+      kr[j] = on;
+      covered += std::exp(lv[j] - total);
+    }
+    for (int64_t j = std::max<int64_t>(0, ff[r]); j < n; ++j) kr[j] = kr[j] || u.cnt[j] > 0;
+  }
+}
+
 // Coarse bound, walk, sketch scores and the mass rule; see offload_cpu.offload_select. DC: the
 // head dim when known at compile time (loops unroll into SIMD registers), 0 otherwise.
 template <int DC>
@@ -186,16 +300,16 @@ std::vector<torch::Tensor> select_impl(torch::Tensor qr, torch::Tensor signs, to
   auto keep = torch::zeros({B, H, R, n}, qr.options().dtype(torch::kBool));
   auto lse = torch::full({B, H, R, n}, NEG, qr.options());
   auto scored = torch::zeros({B * H}, qr.options().dtype(torch::kLong));
+  const Sketch S{signs.data_ptr<uint8_t>(),
+                 scale.data_ptr<uint8_t>(),
+                 mean.data_ptr<int8_t>(),
+                 alpha.data_ptr<uint8_t>(),
+                 reinterpret_cast<const uint16_t*>(amax.data_ptr<at::Half>()),
+                 reinterpret_cast<const uint16_t*>(smax.data_ptr<at::Half>()),
+                 reinterpret_cast<const uint16_t*>(mmax.data_ptr<at::Half>()),
+                 valid.data_ptr<uint8_t>(),
+                 H, R, D, Dp, n, T, P, (T + 7) / 8};
   const float* q = qr.data_ptr<float>();
-  const uint8_t* sg = signs.data_ptr<uint8_t>();
-  const uint8_t* ks = scale.data_ptr<uint8_t>();
-  const int8_t* km = mean.data_ptr<int8_t>();
-  const uint8_t* al = alpha.data_ptr<uint8_t>();
-  const uint16_t* am = reinterpret_cast<const uint16_t*>(amax.data_ptr<at::Half>());
-  const uint16_t* sm = reinterpret_cast<const uint16_t*>(smax.data_ptr<at::Half>());
-  const uint16_t* mm = reinterpret_cast<const uint16_t*>(mmax.data_ptr<at::Half>());
-  const uint8_t* ok = valid.data_ptr<uint8_t>();
-  const int64_t TB = (T + 7) / 8;
   const float* lr = lse_res.data_ptr<float>();
   const int64_t* ff = forced_from.data_ptr<int64_t>();
   bool* kp = keep.data_ptr<bool>();
@@ -203,145 +317,27 @@ std::vector<torch::Tensor> select_impl(torch::Tensor qr, torch::Tensor signs, to
   int64_t* sc = scored.data_ptr<int64_t>();
   const float log_tol = tol > 0 ? float(std::log(tol)) : NEG;
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> ub(R * n), sbuf(D), mbuf(D), w(R * Dp, 0.f), bias(R), wsum(R), tot(R), suf(R * (n + 1));
-    std::vector<float> bits(T * Dp), abuf(T), x(R * T), bmax(n);
-    std::vector<int64_t> order(n), cnt(n), rank_order(n);
+    SelectBuffers u(S);
     for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H;
       const float* qb = q + bh * R * D;
-      // 1. coarse: an upper bound of each block's sketch log-sum-exp, from resident per-block data:
-      //    q . mean + amax * sum_c |q_c scale_c| + log(valid tokens).
-      for (int64_t j = 0; j < n; ++j) {
-        int64_t c = 0;
-        const uint8_t* okb = ok + (b * n + j) * TB;
-        for (int64_t t = 0; t < TB; ++t) c += std::popcount(unsigned(okb[t]));
-        cnt[j] = c;
-        decode_block(ks, km, sm, mm, bh * n + j, D, sbuf.data(), mbuf.data());
-        const float a = half_to_float(am[bh * n + j]);
-        for (int64_t r = 0; r < R; ++r) {
-          float dm = 0.f, da = 0.f;
-#pragma omp simd reduction(+ : dm, da)
-          for (int64_t d = 0; d < D; ++d) {
-            dm += qb[r * D + d] * mbuf[d];
-            da += std::fabs(qb[r * D + d] * sbuf[d]);
-          }
-          ub[r * n + j] = c ? dm + a * da + std::log(float(c)) : NEG;
-        }
-      }
-      // 2. walk blocks by descending bound (max over rows, ties by index); stop once what is left
-      //    is bounded by tol times every row's estimated total.
-      for (int64_t j = 0; j < n; ++j) {
-        float mx = NEG;
-        for (int64_t r = 0; r < R; ++r) mx = std::max(mx, ub[r * n + j]);
-        bmax[j] = mx;
-      }
-      std::iota(order.begin(), order.end(), 0);
-      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return bmax[a] > bmax[c]; });
-      for (int64_t r = 0; r < R; ++r) {
-        float* s = suf.data() + r * (n + 1);
-        s[n] = NEG;
-        for (int64_t p = n - 1; p >= 0; --p) s[p] = logaddexp(s[p + 1], ub[r * n + order[p]]);
-        tot[r] = lr[bh * R + r];
-      }
+      coarse_bounds(S, bh, qb, u);
+      // 2. walk blocks by descending bound; stop once what is left is bounded by tol times every
+      //    row's estimated total (tot: the resident lse, then each scored block's added)
+      walk_order(S, u);
+      for (int64_t r = 0; r < R; ++r) u.tot[r] = lr[bh * R + r];
       int64_t nscored = 0;
       for (int64_t p = 0; p < n; ++p) {
-        const int64_t j = order[p];
-        if (cnt[j] == 0) break;  // only empty blocks are left (their bound is -inf)
+        const int64_t j = u.order[p];
+        if (u.cnt[j] == 0) break;  // only empty blocks are left (their bound is -inf)
         bool done = true;
-        for (int64_t r = 0; r < R && done; ++r) done = suf[r * (n + 1) + p] <= log_tol + tot[r];
+        for (int64_t r = 0; r < R && done; ++r) done = u.suf[r * (n + 1) + p] <= log_tol + u.tot[r];
         if (done) break;
-        // sketch scores of block j: q . mean + alpha_t (2 w . bits_t - w . 1), w = q * scale
-        decode_block(ks, km, sm, mm, bh * n + j, D, sbuf.data(), mbuf.data());
-        {
-          const float f = half_to_float(am[bh * n + j]) / 255.f;
-          const uint8_t* ab = al + (bh * n + j) * T;
-          for (int64_t t = 0; t < T; ++t) abuf[t] = float(ab[t]) * f;
-        }
-        const uint8_t* codes = sg + (bh * n + j) * T * P;
-#if defined(__AVX512F__)
-        constexpr bool masked = DC == 64;  // a token's 64 sign bits are one AVX-512 mask word
-#else
-        constexpr bool masked = false;
-#endif
-        if constexpr (!masked)
-          for (int64_t t = 0; t < T * P; ++t) std::memcpy(bits.data() + 8 * t, kBits.v[codes[t]], 8 * sizeof(float));
-        const uint8_t* okb = ok + (b * n + j) * TB;
-        for (int64_t r = 0; r < R; ++r) {
-          float* wr = w.data() + r * Dp;
-          float dm = 0.f, ws = 0.f;
-#pragma omp simd reduction(+ : dm, ws)
-          for (int64_t d = 0; d < D; ++d) {
-            wr[d] = qb[r * D + d] * sbuf[d];
-            dm += qb[r * D + d] * mbuf[d];
-            ws += wr[d];
-          }
-          bias[r] = dm;
-          wsum[r] = ws;
-        }
-#if defined(__AVX512F__)
-        if constexpr (masked) {
-          // rows in groups of up to 4 sharing each token's sign masks
-          for (int64_t r0 = 0; r0 < R; r0 += 4) {
-            switch (std::min<int64_t>(4, R - r0)) {
-              case 4: sketch64<4>(w.data() + r0 * 64, bias.data() + r0, wsum.data() + r0, codes, abuf.data(), okb, T, x.data() + r0 * T); break;
-              case 3: sketch64<3>(w.data() + r0 * 64, bias.data() + r0, wsum.data() + r0, codes, abuf.data(), okb, T, x.data() + r0 * T); break;
-              case 2: sketch64<2>(w.data() + r0 * 64, bias.data() + r0, wsum.data() + r0, codes, abuf.data(), okb, T, x.data() + r0 * T); break;
-              default: sketch64<1>(w.data() + r0 * 64, bias.data() + r0, wsum.data() + r0, codes, abuf.data(), okb, T, x.data() + r0 * T);
-            }
-          }
-        } else
-#endif
-        {
-          for (int64_t r = 0; r < R; ++r) {
-            const float* wr = w.data() + r * Dp;
-            float* xr = x.data() + r * T;
-            for (int64_t t = 0; t < T; ++t) {
-              const float* bt = bits.data() + t * Dp;
-              float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-              for (int64_t d = 0; d < D; ++d) dot += wr[d] * bt[d];
-              xr[t] = bit(okb, t) ? bias[r] + abuf[t] * (2.f * dot - wsum[r]) : NEG;
-            }
-          }
-        }
-        for (int64_t r = 0; r < R; ++r) {
-          const float* xr = x.data() + r * T;
-          float m = NEG;
-#pragma omp simd reduction(max : m)
-          for (int64_t t = 0; t < T; ++t) m = std::max(m, xr[t]);
-          float s = 0.f;
-          if (m != NEG) {
-#pragma omp simd reduction(+ : s)
-            for (int64_t t = 0; t < T; ++t) s += fexp(xr[t] - m);
-          }
-          const float v = m == NEG ? NEG : m + std::log(s);
-          lo[(bh * R + r) * n + j] = v;
-          tot[r] = logaddexp(tot[r], v);
-        }
+        sketch_scores<DC>(S, bh, j, qb, u);
+        block_lse(S, j, lo + bh * R * n, u);
         ++nscored;
       }
       sc[bh] = nscored;
-      // 3. per row: keep scored blocks by descending estimate while the resident mass plus the
-      //    kept blocks cover less than `mass` of the estimated total; caps; forced blocks.
-      for (int64_t r = 0; r < R; ++r) {
-        const float* lv = lo + (bh * R + r) * n;
-        bool* kr = kp + (bh * R + r) * n;
-        std::iota(rank_order.begin(), rank_order.end(), 0);
-        std::stable_sort(rank_order.begin(), rank_order.end(), [&](int64_t a, int64_t c) { return lv[a] > lv[c]; });
-        const float total_raw = tot[r];
-        const float total = std::isfinite(total_raw) ? total_raw : 0.f;
-        float covered = std::exp(lr[bh * R + r] - total);
-        for (int64_t k = 0; k < n; ++k) {
-          const int64_t j = rank_order[k];
-          if (lv[j] == NEG) break;
-          bool on = mass <= 0 || covered < mass;
-          if (max_blocks > 0 && k >= max_blocks) on = false;
-          if (k < min_blocks) on = true;
-          kr[j] = on;
-          covered += std::exp(lv[j] - total);
-        }
-        for (int64_t j = std::max<int64_t>(0, ff[r]); j < n; ++j) kr[j] = kr[j] || cnt[j] > 0;
-      }
+      keep_blocks(S, lo + bh * R * n, lr + bh * R, ff, mass, min_blocks, max_blocks, kp + bh * R * n, u);
     }
   });
   return {keep, lse, scored};
@@ -467,6 +463,122 @@ inline void values64_rows(const int64_t* rk, int64_t nr, const uint8_t* V, int64
 }
 #endif
 
+// --- offload_attend (kvtier.attention.offloaded.attend_blocks_torch), one (batch, KV head) at a time ---
+
+// One task's online-softmax state (m, s, acc per row: running max, sum, unnormalized output) and buffers.
+struct AttendState {
+  std::vector<float> kf, vf, acc, m, s, sc;
+  std::vector<int64_t> rk, rv;  // the rows that keep a block; those with a valid token in it
+  AttendState(bool fast, int64_t R, int64_t T, int64_t D)
+      : kf(fast ? 0 : T * D), vf(fast ? 0 : T * D), acc(R * D), m(R), s(R), sc(R * T), rk(R), rv(R) {}
+};
+
+// The state from the previous partial (normalized out_prev [R, D], lse_prev [R]; -inf: nothing).
+void start_rows(const float* op, const float* lp, int64_t R, int64_t D, AttendState& st) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float lv = lp[r];
+    st.m[r] = lv;
+    st.s[r] = lv == NEG ? 0.f : 1.f;
+    for (int64_t d = 0; d < D; ++d) st.acc[r * D + d] = lv == NEG ? 0.f : op[r * D + d];
+  }
+}
+
+// 1. scores of the kept rows rk[0..nr) against one block's keys into sc[r * T + t] (-inf for invalid tokens).
+template <int DC>
+void block_scores(const float* qb, int64_t kaddr, int dt, const uint8_t* okb, int64_t nr, int64_t T, int64_t D,
+                  AttendState& st) {
+#if defined(__AVX512F__)  // the block routines exist only there (a discarded branch still needs them declared)
+  constexpr bool fast = DC == 64;  // records read in their dtype by the AVX-512 block routines
+  if constexpr (fast) {
+    const uint8_t* K = reinterpret_cast<const uint8_t*>(kaddr);
+    if (dt == 0) scores64_rows<0>(qb, st.rk.data(), nr, K, okb, T, st.sc.data());
+    else if (dt == 1) scores64_rows<1>(qb, st.rk.data(), nr, K, okb, T, st.sc.data());
+    else scores64_rows<2>(qb, st.rk.data(), nr, K, okb, T, st.sc.data());
+  } else
+#endif
+  {
+    to_float(reinterpret_cast<const void*>(kaddr), dt, T * D, st.kf.data());
+    for (int64_t i = 0; i < nr; ++i) {
+      const float* qr = qb + st.rk[i] * D;
+      float* x = st.sc.data() + st.rk[i] * T;
+      for (int64_t t = 0; t < T; ++t) {
+        const float* kt = st.kf.data() + t * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qr[d] * kt[d];
+        x[t] = bit(okb, t) ? dot : NEG;
+      }
+    }
+  }
+}
+
+// 2. online softmax per kept row: rescale its state to the new max, scores -> weights in place;
+//    rows with nothing valid in the block drop out. Returns the rows left (rv[0..nv)).
+int64_t online_softmax(int64_t nr, int64_t T, int64_t D, AttendState& st) {
+  int64_t nv = 0;
+  for (int64_t i = 0; i < nr; ++i) {
+    const int64_t r = st.rk[i];
+    float* x = st.sc.data() + r * T;
+    float mb = NEG;
+#pragma omp simd reduction(max : mb)
+    for (int64_t t = 0; t < T; ++t) mb = std::max(mb, x[t]);
+    if (mb == NEG) continue;
+    st.rv[nv++] = r;
+    const float mn = std::max(st.m[r], mb);
+    const float f = st.m[r] == NEG ? 0.f : std::exp(st.m[r] - mn);
+    st.s[r] *= f;
+    float* ar = st.acc.data() + r * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) ar[d] *= f;
+    st.m[r] = mn;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < T; ++t) {
+      x[t] = fexp(x[t] - mn);
+      sum += x[t];
+    }
+    st.s[r] += sum;
+  }
+  return nv;
+}
+
+// 3. the block's values weighted by the rows rv[0..nv) into acc.
+template <int DC>
+void block_values(int64_t vaddr, int dt, int64_t nv, int64_t T, int64_t D, AttendState& st) {
+#if defined(__AVX512F__)
+  constexpr bool fast = DC == 64;
+  if constexpr (fast) {
+    const uint8_t* V = reinterpret_cast<const uint8_t*>(vaddr);
+    if (dt == 0) values64_rows<0>(st.rv.data(), nv, V, T, st.sc.data(), st.acc.data());
+    else if (dt == 1) values64_rows<1>(st.rv.data(), nv, V, T, st.sc.data(), st.acc.data());
+    else values64_rows<2>(st.rv.data(), nv, V, T, st.sc.data(), st.acc.data());
+  } else
+#endif
+  {
+    to_float(reinterpret_cast<const void*>(vaddr), dt, T * D, st.vf.data());
+    for (int64_t i = 0; i < nv; ++i) {
+      const float* x = st.sc.data() + st.rv[i] * T;
+      float* ar = st.acc.data() + st.rv[i] * D;
+      for (int64_t t = 0; t < T; ++t) {
+        const float p = x[t];
+        if (p == 0.f) continue;
+        const float* vt = st.vf.data() + t * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] += p * vt[d];
+      }
+    }
+  }
+}
+
+// The rows' Partial: normalized o [R, D] and l [R] (-inf where nothing was attended).
+void finish_rows(const AttendState& st, int64_t R, int64_t D, float* o, float* l) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float inv = st.s[r] > 0.f ? 1.f / st.s[r] : 0.f;
+    for (int64_t d = 0; d < D; ++d) o[r * D + d] = st.acc[r * D + d] * inv;
+    l[r] = st.s[r] > 0.f ? st.m[r] + std::log(st.s[r]) : NEG;
+  }
+}
+
 // Exact attention over the blocks each row keeps, merged into (out_prev, lse_prev); see
 // offload_cpu.offload_attend. DC as for select_impl.
 template <int DC>
@@ -498,109 +610,29 @@ std::vector<torch::Tensor> attend_impl(torch::Tensor rows, torch::Tensor keep, t
   constexpr bool fast = false;
 #endif
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kf(fast ? 0 : T * D), vf(fast ? 0 : T * D), acc(R * D), m(R), s(R), sc(R * T);
-    std::vector<int64_t> rk(R), rv(R);
+    AttendState st(fast, R, T, D);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H;
       const float* qb = q + bh * R * D;
-      for (int64_t r = 0; r < R; ++r) {
-        const float lv = lp[bh * R + r];
-        m[r] = lv;
-        s[r] = lv == NEG ? 0.f : 1.f;
-        for (int64_t d = 0; d < D; ++d) acc[r * D + d] = lv == NEG ? 0.f : op[(bh * R + r) * D + d];
-      }
+      start_rows(op + bh * R * D, lp + bh * R, R, D, st);
       int64_t blocks = 0, pairs = 0;
       for (int64_t j = 0; j < n; ++j) {
         const int64_t kaddr = ka[bh * n + j];
         if (kaddr == 0) continue;
         int64_t nr = 0;
         for (int64_t r = 0; r < R; ++r)
-          if (kp[(bh * R + r) * n + j]) rk[nr++] = r;
+          if (kp[(bh * R + r) * n + j]) st.rk[nr++] = r;
         if (nr == 0) continue;
         ++blocks;
-        const uint8_t* okb = ok + (b * n + j) * TB;
-        // 1. scores of the kept rows into sc[r * T + t] (-inf for invalid tokens)
-#if defined(__AVX512F__)  // the block routines exist only there (a discarded branch still needs them declared)
-        if constexpr (fast) {
-          const uint8_t* K = reinterpret_cast<const uint8_t*>(kaddr);
-          if (dt == 0) scores64_rows<0>(qb, rk.data(), nr, K, okb, T, sc.data());
-          else if (dt == 1) scores64_rows<1>(qb, rk.data(), nr, K, okb, T, sc.data());
-          else scores64_rows<2>(qb, rk.data(), nr, K, okb, T, sc.data());
-        } else
-#endif
-        {
-          to_float(reinterpret_cast<const void*>(kaddr), dt, T * D, kf.data());
-          for (int64_t i = 0; i < nr; ++i) {
-            const float* qr = qb + rk[i] * D;
-            float* x = sc.data() + rk[i] * T;
-            for (int64_t t = 0; t < T; ++t) {
-              const float* kt = kf.data() + t * D;
-              float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-              for (int64_t d = 0; d < D; ++d) dot += qr[d] * kt[d];
-              x[t] = bit(okb, t) ? dot : NEG;
-            }
-          }
-        }
-        // 2. online softmax per row; rows with nothing valid in the block drop out
-        int64_t nv = 0;
-        for (int64_t i = 0; i < nr; ++i) {
-          const int64_t r = rk[i];
-          float* x = sc.data() + r * T;
-          pairs += T;
-          float mb = NEG;
-#pragma omp simd reduction(max : mb)
-          for (int64_t t = 0; t < T; ++t) mb = std::max(mb, x[t]);
-          if (mb == NEG) continue;
-          rv[nv++] = r;
-          const float mn = std::max(m[r], mb);
-          const float f = m[r] == NEG ? 0.f : std::exp(m[r] - mn);
-          s[r] *= f;
-          float* ar = acc.data() + r * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ar[d] *= f;
-          m[r] = mn;
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < T; ++t) {
-            x[t] = fexp(x[t] - mn);
-            sum += x[t];
-          }
-          s[r] += sum;
-        }
+        block_scores<DC>(qb, kaddr, dt, ok + (b * n + j) * TB, nr, T, D, st);
+        pairs += nr * T;
+        const int64_t nv = online_softmax(nr, T, D, st);
         if (nv == 0) continue;
-        // 3. values
-        const int64_t vaddr = va[bh * n + j];
-#if defined(__AVX512F__)
-        if constexpr (fast) {
-          const uint8_t* V = reinterpret_cast<const uint8_t*>(vaddr);
-          if (dt == 0) values64_rows<0>(rv.data(), nv, V, T, sc.data(), acc.data());
-          else if (dt == 1) values64_rows<1>(rv.data(), nv, V, T, sc.data(), acc.data());
-          else values64_rows<2>(rv.data(), nv, V, T, sc.data(), acc.data());
-        } else
-#endif
-        {
-          to_float(reinterpret_cast<const void*>(vaddr), dt, T * D, vf.data());
-          for (int64_t i = 0; i < nv; ++i) {
-            const float* x = sc.data() + rv[i] * T;
-            float* ar = acc.data() + rv[i] * D;
-            for (int64_t t = 0; t < T; ++t) {
-              const float p = x[t];
-              if (p == 0.f) continue;
-              const float* vt = vf.data() + t * D;
-#pragma omp simd
-              for (int64_t d = 0; d < D; ++d) ar[d] += p * vt[d];
-            }
-          }
-        }
+        block_values<DC>(va[bh * n + j], dt, nv, T, D, st);
       }
       cn[bh * 2] = blocks;
       cn[bh * 2 + 1] = pairs;
-      for (int64_t r = 0; r < R; ++r) {
-        const float inv = s[r] > 0.f ? 1.f / s[r] : 0.f;
-        for (int64_t d = 0; d < D; ++d) o[(bh * R + r) * D + d] = acc[r * D + d] * inv;
-        l[bh * R + r] = s[r] > 0.f ? m[r] + std::log(s[r]) : NEG;
-      }
+      finish_rows(st, R, D, o + bh * R * D, l + bh * R);
     }
   });
   return {out, lse, counts};

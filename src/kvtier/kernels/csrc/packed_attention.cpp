@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common.h"
+#include "numeric.h"
 
 namespace {
 
@@ -22,13 +23,6 @@ inline void unpack(const uint8_t* code, const std::vector<Term>& terms, float* u
     for (int64_t j = 0; j < t.nbytes; ++j) u[j] = float((by[j] >> sh) & mk);
     u += t.nbytes;
   }
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t j = 0; j < n; ++j) acc += a[j] * b[j];
-  return acc;
 }
 
 }  // namespace
@@ -71,7 +65,6 @@ std::vector<torch::Tensor> packed_attention(
   const bool* rm = rmask ? row_mask.data_ptr<bool>() : nullptr;
   float* o = out.data_ptr<float>();
   float* ls = lse.data_ptr<float>();
-  const float NEG = -std::numeric_limits<float>::infinity();
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sc(R * K * T), qs(R * npos), bias(R), vacc(R * npos), zacc(R * NG), tot(R);
@@ -117,7 +110,7 @@ std::vector<torch::Tensor> packed_attention(
           for (int64_t r = 0; r < R; ++r) {
             float* dst = scs + r * K * T + tt;
             if (rmask && !rm[(bh * R + r) * K + s]) { *dst = NEG; continue; }
-            *dst = bias[r] + dot(qs.data() + r * npos, u.data(), npos);
+            *dst = bias[r] + dot_reduce(qs.data() + r * npos, u.data(), npos);
           }
         }
       }

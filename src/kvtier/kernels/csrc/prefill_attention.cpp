@@ -33,7 +33,7 @@
 #include <immintrin.h>
 #endif
 #include "page_codes.h"
-#include "simd_exp.h"
+#include "numeric.h"
 
 namespace {
 
@@ -49,10 +49,6 @@ struct Pages {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr bool kSupported = true;
 
-inline __m512 dot(__m512 acc, __m512i a, __m512i b) {
-  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
-}
-
 constexpr int QT = 16;  // query tokens per task
 
 // bf16 bits of a small integer (|c| <= 256: exact in bf16)
@@ -61,13 +57,6 @@ inline uint16_t int_bf16(int c) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return static_cast<uint16_t>(u >> 16);
-}
-
-inline float bf16_to_float(uint16_t x) {
-  uint32_t u = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
 }
 
 // x [n] fp32 (n a multiple of 32) as bf16 hi + lo dword pairs (kvtier_pages::split_bf16_32)
@@ -135,14 +124,105 @@ struct Task {
         const __m512i qb = _mm512_set1_epi32(static_cast<int>(qrows[r][p]));
         if constexpr (LO) {
           const __m512i lb = _mm512_set1_epi32(static_cast<int>(qlo[r][p]));
-          for (int j = 0; j < NV; ++j) s[r][j] = dot(dot(s[r][j], kv[j], lb), kv[j], qb);
+          for (int j = 0; j < NV; ++j) s[r][j] = dot_bf16(dot_bf16(s[r][j], kv[j], lb), kv[j], qb);
         } else {
-          for (int j = 0; j < NV; ++j) s[r][j] = dot(s[r][j], kv[j], qb);
+          for (int j = 0; j < NV; ++j) s[r][j] = dot_bf16(s[r][j], kv[j], qb);
         }
       }
     }
     for (int r = 0; r < RB; ++r)
       for (int j = 0; j < NV; ++j) _mm512_store_ps(S[r] + 16 * j, s[r][j]);
+  }
+
+  // S[r][0 : 16 nv] = scores of the RB rows from r0 of qrows against this block's keys (packed keys: the
+  // rows' q * s as bf16 hi + lo against the codes; zt is subtracted in softmax_rows)
+  static inline void block_scores(const uint32_t* kblk, bool packed, int nv, const uint32_t* const* qrows,
+                                  const uint32_t* const* qhr, const uint32_t* const* qlr, int64_t r0, float (*S)[KB]) {
+    if (packed) {
+      scores<4, true>(kblk, qhr + r0, S, qlr + r0);
+    } else {
+      switch (nv) {
+        case 4: scores<4>(kblk, qrows + r0, S); break;
+        case 3: scores<3>(kblk, qrows + r0, S); break;
+        case 2: scores<2>(kblk, qrows + r0, S); break;
+        default: scores<1>(kblk, qrows + r0, S); break;
+      }
+    }
+  }
+
+  // Online softmax of the RB rows from r0 over this block's scores S (keys past a row's limit
+  // masked): m, l, za and the rows' O rescaled to the new max; P[r] = the weights as bf16 pairs
+  // (packed values: times each token's value scale, with sum p s z into za).
+  inline void softmax_rows(const float (*S)[KB], int64_t r0, int64_t kb, int nv, bool packed, const int64_t* lim,
+                           const float* zt, float* O, float* m, float* l, float* za, int64_t P0,
+                           uint32_t (*P)[KB / 2]) const {
+    for (int r = 0; r < RB; ++r) {
+      const int64_t rr = r0 + r;
+      const int64_t visible = lim[rr] - kb;
+      __m512 sv[4];
+      for (int j = 0; j < 4; ++j) {
+        if (packed) {
+          sv[j] = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(S[r] + 16 * j), _mm512_set1_ps(zt[rr])),
+                                _mm512_set1_ps(scale));
+        } else if (j >= nv || 16 * j >= visible) {
+          sv[j] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        } else if (16 * j + 16 <= visible) {
+          sv[j] = _mm512_mul_ps(_mm512_load_ps(S[r] + 16 * j), _mm512_set1_ps(scale));
+        } else {
+          const __mmask16 ok = static_cast<__mmask16>((1u << (visible - 16 * j)) - 1);
+          sv[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), ok,
+                                     _mm512_load_ps(S[r] + 16 * j), _mm512_set1_ps(scale));
+        }
+      }
+      const float bmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(sv[0], sv[1]), _mm512_max_ps(sv[2], sv[3])));
+      const float mnew = std::max(m[rr], bmax);
+      if (mnew == -std::numeric_limits<float>::infinity()) {  // nothing visible in this block
+        std::memset(P[r], 0, sizeof(P[r]));
+        continue;
+      }
+      const float alpha = std::exp(m[rr] - mnew);  // 0 when m was -inf
+      const __m512 mv = _mm512_set1_ps(mnew);
+      for (int j = 0; j < 4; ++j) sv[j] = exp512(_mm512_sub_ps(sv[j], mv));
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(sv[0], sv[1]), _mm512_add_ps(sv[2], sv[3]));
+      m[rr] = mnew;
+      if (alpha != 1.f) {
+        float* o = O + rr * D;
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int d = 0; d < ND; ++d) _mm512_store_ps(o + 16 * d, _mm512_mul_ps(_mm512_load_ps(o + 16 * d), av));
+        _mm512_store_ps(l + 16 * rr, _mm512_fmadd_ps(_mm512_load_ps(l + 16 * rr), av, sum));
+        if (P0) _mm512_store_ps(za + 16 * rr, _mm512_mul_ps(_mm512_load_ps(za + 16 * rr), av));
+      } else {
+        _mm512_store_ps(l + 16 * rr, _mm512_add_ps(_mm512_load_ps(l + 16 * rr), sum));
+      }
+      if (packed) {  // values: p_t s_t (rounded below) times codes, minus sum_t p_t s_t z_t
+        __m512 zs = _mm512_load_ps(za + 16 * rr);
+        for (int j = 0; j < 4; ++j) {
+          zs = _mm512_fmadd_ps(sv[j], _mm512_loadu_ps(vsz + kb + 16 * j), zs);
+          sv[j] = _mm512_mul_ps(sv[j], _mm512_loadu_ps(vs + kb + 16 * j));
+        }
+        _mm512_store_ps(za + 16 * rr, zs);
+      }
+      _mm512_store_si512(P[r], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(sv[1], sv[0])));
+      _mm512_store_si512(P[r] + 16, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(sv[3], sv[2])));
+    }
+  }
+
+  // O [RB][D] += P . V over this block's key pairs (vblk: its values, nk keys)
+  static inline void add_values(const uint32_t* vblk, int nk, const uint32_t (*P)[KB / 2], float* O) {
+    __m512 o[RB][ND];
+    for (int r = 0; r < RB; ++r)
+      for (int d = 0; d < ND; ++d) o[r][d] = _mm512_load_ps(O + r * D + 16 * d);
+    const int npairs = (nk + 1) / 2;
+    for (int mm = 0; mm < npairs; ++mm) {
+      __m512i vv[ND];
+      for (int d = 0; d < ND; ++d) vv[d] = _mm512_load_si512(vblk + (mm * ND + d) * 16);
+      for (int r = 0; r < RB; ++r) {
+        const __m512i pb = _mm512_set1_epi32(static_cast<int>(P[r][mm]));
+        for (int d = 0; d < ND; ++d) o[r][d] = dot_bf16(o[r][d], vv[d], pb);
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int d = 0; d < ND; ++d) _mm512_store_ps(O + r * D + 16 * d, o[r][d]);
   }
 
   void run(const uint32_t* const* qrows, const int64_t* lim, int64_t R, float* O, float* m, float* l,
@@ -174,82 +254,9 @@ struct Task {
       for (int64_t r0 = 0; r0 < R; r0 += RB) {
         if (kb >= *std::max_element(lim + r0, lim + r0 + RB)) continue;
         alignas(64) float S[RB][KB];
-        if (packed) {
-          scores<4, true>(kblk, qhr.data() + r0, S, qlr.data() + r0);
-        } else {
-          switch (nv) {
-            case 4: scores<4>(kblk, qrows + r0, S); break;
-            case 3: scores<3>(kblk, qrows + r0, S); break;
-            case 2: scores<2>(kblk, qrows + r0, S); break;
-            default: scores<1>(kblk, qrows + r0, S); break;
-          }
-        }
-        // online softmax of each row over this block (keys past a row's limit masked)
-        for (int r = 0; r < RB; ++r) {
-          const int64_t rr = r0 + r;
-          const int64_t visible = lim[rr] - kb;
-          __m512 sv[4];
-          for (int j = 0; j < 4; ++j) {
-            if (packed) {
-              sv[j] = _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(S[r] + 16 * j), _mm512_set1_ps(zt[rr])),
-                                    _mm512_set1_ps(scale));
-            } else if (j >= nv || 16 * j >= visible) {
-              sv[j] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-            } else if (16 * j + 16 <= visible) {
-              sv[j] = _mm512_mul_ps(_mm512_load_ps(S[r] + 16 * j), _mm512_set1_ps(scale));
-            } else {
-              const __mmask16 ok = static_cast<__mmask16>((1u << (visible - 16 * j)) - 1);
-              sv[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), ok,
-                                         _mm512_load_ps(S[r] + 16 * j), _mm512_set1_ps(scale));
-            }
-          }
-          const float bmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(sv[0], sv[1]), _mm512_max_ps(sv[2], sv[3])));
-          const float mnew = std::max(m[rr], bmax);
-          if (mnew == -std::numeric_limits<float>::infinity()) {  // nothing visible in this block
-            std::memset(P[r], 0, sizeof(P[r]));
-            continue;
-          }
-          const float alpha = std::exp(m[rr] - mnew);  // 0 when m was -inf
-          const __m512 mv = _mm512_set1_ps(mnew);
-          for (int j = 0; j < 4; ++j) sv[j] = exp512(_mm512_sub_ps(sv[j], mv));
-          const __m512 sum = _mm512_add_ps(_mm512_add_ps(sv[0], sv[1]), _mm512_add_ps(sv[2], sv[3]));
-          m[rr] = mnew;
-          if (alpha != 1.f) {
-            float* o = O + rr * D;
-            const __m512 av = _mm512_set1_ps(alpha);
-            for (int d = 0; d < ND; ++d) _mm512_store_ps(o + 16 * d, _mm512_mul_ps(_mm512_load_ps(o + 16 * d), av));
-            _mm512_store_ps(l + 16 * rr, _mm512_fmadd_ps(_mm512_load_ps(l + 16 * rr), av, sum));
-            if (P0) _mm512_store_ps(za + 16 * rr, _mm512_mul_ps(_mm512_load_ps(za + 16 * rr), av));
-          } else {
-            _mm512_store_ps(l + 16 * rr, _mm512_add_ps(_mm512_load_ps(l + 16 * rr), sum));
-          }
-          if (packed) {  // values: p_t s_t (rounded below) times codes, minus sum_t p_t s_t z_t
-            __m512 zs = _mm512_load_ps(za + 16 * rr);
-            for (int j = 0; j < 4; ++j) {
-              zs = _mm512_fmadd_ps(sv[j], _mm512_loadu_ps(vsz + kb + 16 * j), zs);
-              sv[j] = _mm512_mul_ps(sv[j], _mm512_loadu_ps(vs + kb + 16 * j));
-            }
-            _mm512_store_ps(za + 16 * rr, zs);
-          }
-          _mm512_store_si512(P[r], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(sv[1], sv[0])));
-          _mm512_store_si512(P[r] + 16, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(sv[3], sv[2])));
-        }
-        // O += P . V over this block's key pairs
-        __m512 o[RB][ND];
-        for (int r = 0; r < RB; ++r)
-          for (int d = 0; d < ND; ++d) o[r][d] = _mm512_load_ps(O + (r0 + r) * D + 16 * d);
-        const int npairs = (nk + 1) / 2;
-        const uint32_t* vblk = vp + (kb / 2) * ND * 16;
-        for (int mm = 0; mm < npairs; ++mm) {
-          __m512i vv[ND];
-          for (int d = 0; d < ND; ++d) vv[d] = _mm512_load_si512(vblk + (mm * ND + d) * 16);
-          for (int r = 0; r < RB; ++r) {
-            const __m512i pb = _mm512_set1_epi32(static_cast<int>(P[r][mm]));
-            for (int d = 0; d < ND; ++d) o[r][d] = dot(o[r][d], vv[d], pb);
-          }
-        }
-        for (int r = 0; r < RB; ++r)
-          for (int d = 0; d < ND; ++d) _mm512_store_ps(O + (r0 + r) * D + 16 * d, o[r][d]);
+        block_scores(kblk, packed, nv, qrows, qhr.data(), qlr.data(), r0, S);
+        softmax_rows(S, r0, kb, nv, packed, lim, zt.data(), O, m, l, za, P0, P);
+        add_values(vp + (kb / 2) * ND * 16, nk, P, O + r0 * D);
       }
     }
   }

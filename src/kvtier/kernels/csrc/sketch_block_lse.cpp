@@ -7,16 +7,7 @@
 #include <limits>
 #include <vector>
 
-namespace {
-struct Bits8 {
-  float v[256][8];
-  Bits8() {
-    for (int b = 0; b < 256; ++b)
-      for (int i = 0; i < 8; ++i) v[b][i] = float((b >> i) & 1);
-  }
-};
-const Bits8 kBits;
-}  // namespace
+#include "numeric.h"
 
 // score(token) = q . mean + alpha_t * (2 w . bits - w . 1), w = q * scale; one lse per (row, block).
 torch::Tensor sketch_block_lse(torch::Tensor rows, torch::Tensor signs, torch::Tensor scale, torch::Tensor mean,
@@ -33,7 +24,6 @@ torch::Tensor sketch_block_lse(torch::Tensor rows, torch::Tensor signs, torch::T
   const float* al = alpha.data_ptr<float>();
   const bool* ok = valid.data_ptr<bool>();
   float* o = out.data_ptr<float>();
-  const float NEG = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w(R * Dp, 0.f), bias(R), wsum(R), m(R), s(R);
     for (int64_t bh = begin; bh < end; ++bh) {

@@ -24,6 +24,11 @@
 // some row keeps (row mass rule, local window, sinks). Tasks run on torch's threads (built with
 // OpenMP: kvtier/kernels/build.py).
 // References: kvtier.vllm.paged.attend_layer and update_layer.
+//
+// Sections: page helpers (codes from page_codes.h: layout, code widths), the online softmax (Rows) and
+// the per-page steps (score_page, fold_page, attend_page, select_row, keep_tokens); attend (plan_splits,
+// sparse_packed, dense_packed, exact_rows, merge_splits); encode (gather_rows, encode_keys,
+// encode_values); decode; the checked entry points.
 #include <torch/extension.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -39,7 +44,7 @@
 #endif
 #include "codec_constants.h"
 #include "page_codes.h"
-#include "simd_exp.h"
+#include "numeric.h"
 
 namespace {
 using kvtier_pages::code_at;
@@ -116,10 +121,6 @@ inline void split_bf16(const float* x, __m512i* hi, __m512i* lo) {
   for (int j = 0; j < 2; ++j) kvtier_pages::split_bf16_32(x + 32 * j, hi[j], lo[j]);
 }
 
-inline __m512 dotbf(__m512 acc, __m512i a, __m512i b) {
-  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
-}
-
 // p[row * n + t + i] = qs[row] . codes(t + i) - sub[row] for 16 tokens of 4-bit codes kc (32 bytes
 // each) and R rows qs [R, 64] (q times the key scales, fp32): codes exact in bf16, qs split into
 // bf16 hi + lo, products summed in fp32 (VDPBF16PS), one transpose-and-add tree per row
@@ -135,33 +136,15 @@ inline void score16_codes_d64(const uint8_t* kc, const float* qs, int64_t R, con
     split_bf16(qs + row * 64, hi, lo);
     __m512 acc[16];
     for (int i = 0; i < 16; ++i) {
-      __m512 x = dotbf(_mm512_setzero_ps(), kb[i][0], lo[0]);
-      x = dotbf(x, kb[i][1], lo[1]);
-      x = dotbf(x, kb[i][0], hi[0]);
-      acc[i] = dotbf(x, kb[i][1], hi[1]);
+      __m512 x = dot_bf16(_mm512_setzero_ps(), kb[i][0], lo[0]);
+      x = dot_bf16(x, kb[i][1], lo[1]);
+      x = dot_bf16(x, kb[i][0], hi[0]);
+      acc[i] = dot_bf16(x, kb[i][1], hi[1]);
     }
     _mm512_storeu_ps(p + row * n + t, _mm512_sub_ps(reduce16(acc), _mm512_set1_ps(sub[row])));
   }
 }
 #endif
-
-inline float half_to_float(uint16_t h) {
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-}
-
-// dst[i] = src[i] as fp32, i < n (fp16 bits), 16 at a time where AVX-512 is built
-inline void halves_to_floats(const uint16_t* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
-#endif
-  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
-}
-
-inline uint16_t float_to_half_bits(float f) {
-  return c10::Half(f).x;
-}
 
 // A row of D elements of the model dtype as fp32 (times mul).
 template <typename T>
@@ -598,157 +581,168 @@ inline int64_t keep_tokens(const float* e, int64_t ntot, int64_t base, int64_t n
   return nk;
 }
 
-template <typename scalar_t, typename out_t>
-void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Tensor value, torch::Tensor side,
-                 torch::Tensor pages, torch::Tensor reqs, torch::Tensor pstart, torch::Tensor pids, torch::Tensor out,
-                 double scale, const Sparse& sel, int64_t* counts) {
-  const int64_t Hq = q.size(1), H = L.H, D = L.D, T = L.T, G = Hq / H;
-  const int64_t nreq = reqs.size(0);
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = key.data_ptr<scalar_t>();
-  const scalar_t* vp = value.data_ptr<scalar_t>();
-  const scalar_t* sp = side.data_ptr<scalar_t>();
-  const uint8_t* pg = pages.data_ptr<uint8_t>();
-  const int64_t* rq = reqs.data_ptr<int64_t>();
-  const int64_t* ps = pstart.data_ptr<int64_t>();
-  const int64_t* pid = pids.data_ptr<int64_t>();
-  out_t* op = out.data_ptr<out_t>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = key.stride(0), ks1 = key.stride(1);
-  const int64_t vs0 = value.stride(0), vs1 = value.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-  const int64_t side_row = 2 * H * D;  // one token of a side slot: [2, H, D]
-  const float sc = static_cast<float>(scale);
+// --- attend: the tasks of one call (kvtier.vllm.paged.attend_layer) ---
 
-  // Tasks: (request, kv head, split of its packed blocks). With fewer (request, head) pairs than
-  // twice the threads, a request's blocks are split so every thread has work; each split keeps its
-  // own softmax state (the last one also takes the exact rows) and the splits merge at the end.
-  // A request with sparse selection is never split: its selection reads every packed score.
+// The tensors of one attend call as pointers and strides (rows of q, key, value, out: [tokens, heads, D]).
+template <typename scalar_t, typename out_t>
+struct Call {
+  const Layout& L;
+  int64_t H, D, T, G;
+  const scalar_t *qp, *kp, *vp, *sp;
+  const uint8_t* pg;
+  const int64_t *rq, *ps, *pid;
+  out_t* op;
+  int64_t qs0, qs1, ks0, ks1, vs0, vs1, os0, os1;
+  int64_t side_row;  // one token of a side slot: [2, H, D]
+  float sc;
+};
+
+// Tasks: (request, kv head, split of its packed blocks). With fewer (request, head) pairs than
+// twice the threads, a request's blocks are split so every thread has work; each split keeps its
+// own softmax state (the last one also takes the exact rows) and the splits merge at the end.
+// A request with sparse selection is never split: its selection reads every packed score.
+struct Splits {
+  std::vector<int64_t> nsplit, first, rows_at;  // per request: splits, first task, first merge row
+};
+
+Splits plan_splits(const int64_t* rq, const int64_t* ps, int64_t nreq, int64_t H, int64_t G, const Sparse& sel) {
   const int64_t threads = at::get_num_threads();
   const int64_t want = nreq * H >= 2 * threads ? 1 : (2 * threads + nreq * H - 1) / (nreq * H);
-  std::vector<int64_t> nsplit(nreq), first(nreq + 1, 0), rows_at(nreq + 1, 0);
-  std::atomic<int64_t> valued{0}, scored{0};
+  Splits s{std::vector<int64_t>(nreq), std::vector<int64_t>(nreq + 1, 0), std::vector<int64_t>(nreq + 1, 0)};
   for (int64_t r = 0; r < nreq; ++r) {
     const bool sparse_r = sel.applies(rq[6 * r + 1] - rq[6 * r]);
-    nsplit[r] = sparse_r ? 1 : std::max<int64_t>(1, std::min<int64_t>(want, ps[r + 1] - ps[r]));
-    first[r + 1] = first[r] + nsplit[r] * H;
-    rows_at[r + 1] = rows_at[r] + (nsplit[r] > 1 ? nsplit[r] * H * (rq[6 * r + 1] - rq[6 * r]) * G : 0);
+    s.nsplit[r] = sparse_r ? 1 : std::max<int64_t>(1, std::min<int64_t>(want, ps[r + 1] - ps[r]));
+    s.first[r + 1] = s.first[r] + s.nsplit[r] * H;
+    s.rows_at[r + 1] = s.rows_at[r] + (s.nsplit[r] > 1 ? s.nsplit[r] * H * (rq[6 * r + 1] - rq[6 * r]) * G : 0);
   }
-  // partial softmax states of split requests: m, l [rows], acc [rows, D]
-  std::vector<float> pm(rows_at[nreq]), pl(rows_at[nreq]), pacc(rows_at[nreq] * D);
+  return s;
+}
 
-  at::parallel_for(0, first[nreq], 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, qsc, qz, kf(D), vf(T * D), big, thr, comp;
-    std::vector<int32_t> iota(T), kept(T + 16);
+// One task's buffers (reused across the tasks of a thread).
+struct TaskBuffers {
+  std::vector<float> qf, qsc, qz, kf, vf, big, thr, comp;
+  std::vector<int32_t> iota, kept;
+  TaskBuffers(int64_t D, int64_t T) : kf(D), vf(T * D), iota(T), kept(T + 16) {
     for (int64_t t = 0; t < T; ++t) iota[t] = t;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
-      const int64_t local = task - first[r], h = local % H, split = local / H, ns = nsplit[r];
-      const int64_t* e = rq + 6 * r;  // qs, qe, side slot, side rows, head block, head rows
-      const int64_t q0 = e[0], qn = e[1] - e[0], slot = e[2], nside = e[3], hblock = e[4], hrows = e[5];
-      if (qn == 0) continue;
-      const int64_t R = qn * G;  // row = i * G + g
-      const bool last = split == ns - 1;
-      Rows st(R, D, T);
-      qf.resize(R * D);
-      qsc.assign(R * D, 0.f);
-      qz.assign(R, 0.f);
-      for (int64_t row = 0; row < R; ++row)
-        load_row(qp + (q0 + row / G) * qs0 + (h * G + row % G) * qs1, qf.data() + row * D, D, sc);
-      // ---- this split's packed blocks, then the first rows of a cached block read in part ----
-      const int64_t nb = ps[r + 1] - ps[r];
-      if (sel.applies(qn)) {  // sparse: every packed score first, then the values of the kept tokens
-        const int64_t ntot = nb * T + hrows, ctx = ntot + nside;
-        auto page_of = [&](int64_t j) { return pg + (j < nb ? pid[ps[r] + j] : hblock) * L.page; };
-        const int64_t npages = nb + (hrows > 0);
-        int64_t nvalued = 0;
-        big.resize(R * std::max<int64_t>(ntot, 1));
-        thr.resize(R);
-        comp.resize(R * (T + 16));
-        for (int64_t j = 0; j < npages; ++j)
-          score_page<scalar_t>(L, page_of(j), h, j < nb ? T : hrows, qf.data(), R, big.data() + j * T, ntot, qsc, qz,
-                               kf, vf);
-        for (int64_t row = 0; row < R && ntot > 0; ++row) st.m[row] = select_row(big.data() + row * ntot, ntot, sel.level, thr[row]);
-        for (int64_t j = 0; j < npages; ++j) {
-          const int64_t n = j < nb ? T : hrows, base = j * T;
-          const int64_t nk = keep_tokens(big.data(), ntot, base, n, R, thr.data(), ctx - sel.window, L.s, kept.data(),
-                                         comp.data(), T + 16, st.l.data());
-          if (nk == n)  // every token: the weights in place
-            fold_page<scalar_t>(L, page_of(j), h, n, iota.data(), n, big.data() + base, ntot, st, vf);
-          else
-            fold_page<scalar_t>(L, page_of(j), h, n, kept.data(), nk, comp.data(), T + 16, st, vf);
-          nvalued += nk;
-        }
-        valued += nvalued;  // once per task
-        scored += ntot;
-      } else {
-        for (int64_t bi = ps[r] + split * nb / ns; bi < ps[r] + (split + 1) * nb / ns; ++bi)
-          attend_page<scalar_t>(L, pg + pid[bi] * L.page, h, T, qf.data(), st, iota.data(), qsc, qz, kf, vf);
-        if (last && hrows > 0)
-          attend_page<scalar_t>(L, pg + hblock * L.page, h, hrows, qf.data(), st, iota.data(), qsc, qz, kf, vf);
-      }
-      // ---- exact rows: side rows, then the new tokens; causal over the last qn ----
-      const int64_t ne = last ? nside + qn : 0;
-      auto krow = [&](int64_t j) {
-        return j < nside ? sp + (slot * T + j) * side_row + h * D : kp + (q0 + j - nside) * ks0 + h * ks1;
-      };
-      auto vrow = [&](int64_t j) {
-        return j < nside ? sp + (slot * T + j) * side_row + H * D + h * D : vp + (q0 + j - nside) * vs0 + h * vs1;
-      };
-      for (int64_t t0 = 0; t0 < ne; t0 += T) {
-        const int64_t n = std::min(T, ne - t0);
-        int64_t t = 0;
+  }
+};
+
+// One request's (row range of qn queries) entry of reqs: qs, qe, side slot, side rows, head block, head rows.
+struct Request {
+  int64_t q0, qn, slot, nside, hblock, hrows;
+};
+
+// _sparse_packed (kvtier.vllm.paged): every packed score of head h first, each row's threshold
+// (select_row), then the values of the tokens some row keeps (keep_tokens, fold_page). Adds the
+// (row, token) pairs valued and the tokens scored.
+template <typename scalar_t, typename out_t>
+void sparse_packed(const Call<scalar_t, out_t>& C, int64_t r, int64_t h, const Request& e, const Sparse& sel,
+                   int64_t R, Rows& st, TaskBuffers& b, std::atomic<int64_t>& valued, std::atomic<int64_t>& scored) {
+  const Layout& L = C.L;
+  const int64_t T = C.T, nb = C.ps[r + 1] - C.ps[r];
+  const int64_t ntot = nb * T + e.hrows, ctx = ntot + e.nside;
+  auto page_of = [&](int64_t j) { return C.pg + (j < nb ? C.pid[C.ps[r] + j] : e.hblock) * L.page; };
+  const int64_t npages = nb + (e.hrows > 0);
+  int64_t nvalued = 0;
+  b.big.resize(R * std::max<int64_t>(ntot, 1));
+  b.thr.resize(R);
+  b.comp.resize(R * (T + 16));
+  for (int64_t j = 0; j < npages; ++j)
+    score_page<scalar_t>(L, page_of(j), h, j < nb ? T : e.hrows, b.qf.data(), R, b.big.data() + j * T, ntot, b.qsc,
+                         b.qz, b.kf, b.vf);
+  for (int64_t row = 0; row < R && ntot > 0; ++row)
+    st.m[row] = select_row(b.big.data() + row * ntot, ntot, sel.level, b.thr[row]);
+  for (int64_t j = 0; j < npages; ++j) {
+    const int64_t n = j < nb ? T : e.hrows, base = j * T;
+    const int64_t nk = keep_tokens(b.big.data(), ntot, base, n, R, b.thr.data(), ctx - sel.window, L.s, b.kept.data(),
+                                   b.comp.data(), T + 16, st.l.data());
+    if (nk == n)  // every token: the weights in place
+      fold_page<scalar_t>(L, page_of(j), h, n, b.iota.data(), n, b.big.data() + base, ntot, st, b.vf);
+    else
+      fold_page<scalar_t>(L, page_of(j), h, n, b.kept.data(), nk, b.comp.data(), T + 16, st, b.vf);
+    nvalued += nk;
+  }
+  valued += nvalued;  // once per task
+  scored += ntot;
+}
+
+// The dense packed part of a task: this split's packed blocks, then (last split) the first rows of a
+// cached block read in part, each folded into st by attend_page.
+template <typename scalar_t, typename out_t>
+void dense_packed(const Call<scalar_t, out_t>& C, int64_t r, int64_t h, const Request& e, int64_t split, int64_t ns,
+                  Rows& st, TaskBuffers& b) {
+  const Layout& L = C.L;
+  const int64_t nb = C.ps[r + 1] - C.ps[r];
+  for (int64_t bi = C.ps[r] + split * nb / ns; bi < C.ps[r] + (split + 1) * nb / ns; ++bi)
+    attend_page<scalar_t>(L, C.pg + C.pid[bi] * L.page, h, C.T, b.qf.data(), st, b.iota.data(), b.qsc, b.qz, b.kf,
+                          b.vf);
+  if (split == ns - 1 && e.hrows > 0)
+    attend_page<scalar_t>(L, C.pg + e.hblock * L.page, h, e.hrows, b.qf.data(), st, b.iota.data(), b.qsc, b.qz, b.kf,
+                          b.vf);
+}
+
+// The exact rows of head h (last split only): the side rows, then the new tokens; causal over the
+// last qn, T rows at a time through st's online softmax.
+template <typename scalar_t, typename out_t>
+void exact_rows(const Call<scalar_t, out_t>& C, int64_t h, const Request& e, int64_t R, Rows& st, TaskBuffers& b) {
+  const int64_t T = C.T, D = C.D, G = C.G, H = C.H, qn = e.qn, nside = e.nside;
+  const int64_t ne = nside + qn;
+  auto krow = [&](int64_t j) {
+    return j < nside ? C.sp + (e.slot * T + j) * C.side_row + h * D : C.kp + (e.q0 + j - nside) * C.ks0 + h * C.ks1;
+  };
+  auto vrow = [&](int64_t j) {
+    return j < nside ? C.sp + (e.slot * T + j) * C.side_row + H * D + h * D
+                     : C.vp + (e.q0 + j - nside) * C.vs0 + h * C.vs1;
+  };
+  for (int64_t t0 = 0; t0 < ne; t0 += T) {
+    const int64_t n = std::min(T, ne - t0);
+    int64_t t = 0;
 #if defined(__AVX512F__)
-        if (D == 64) {  // 16 rows at a time while every query row sees all of them
-          alignas(64) float kb[16 * 64];
-          for (; t + 16 <= n && t0 + t + 16 <= ne - qn + 1; t += 16) {
-            for (int64_t i = 0; i < 16; ++i) load_row(krow(t0 + t + i), kb + i * 64, D);
-            score16_d64(kb, qf.data(), R, nullptr, st.p.data(), n, t);
-          }
-        }
-#endif
-        for (; t < n; ++t) {
-          load_row(krow(t0 + t), kf.data(), D);
-          for (int64_t row = 0; row < R; ++row) {
-            const int64_t limit = ne - qn + row / G + 1;  // exact rows visible to this query
-            float acc = -kInf;
-            if (t0 + t < limit) {
-              const float* qr = qf.data() + row * D;
-              acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-              for (int64_t d = 0; d < D; ++d) acc += qr[d] * kf[d];
-            }
-            st.p[row * n + t] = acc;
-          }
-        }
-        st.softmax_block(n);
-        for (int64_t t = 0; t < n; ++t) load_row(vrow(t0 + t), vf.data() + t * D, D);
-        st.add_values(n, vf.data());
-      }
-      if (ns > 1) {  // keep this split's state for the merge
-        const int64_t base = rows_at[r] + (split * H + h) * R;
-        std::copy(st.m.begin(), st.m.end(), pm.begin() + base);
-        std::copy(st.l.begin(), st.l.end(), pl.begin() + base);
-        std::copy(st.acc.begin(), st.acc.end(), pacc.begin() + base * D);
-        continue;
-      }
-      for (int64_t row = 0; row < R; ++row) {
-        const float inv = st.l[row] > 0.f ? 1.f / st.l[row] : 0.f;
-        store_row(st.acc.data() + row * D, op + (q0 + row / G) * os0 + (h * G + row % G) * os1, D, inv);
+    if (D == 64) {  // 16 rows at a time while every query row sees all of them
+      alignas(64) float kb[16 * 64];
+      for (; t + 16 <= n && t0 + t + 16 <= ne - qn + 1; t += 16) {
+        for (int64_t i = 0; i < 16; ++i) load_row(krow(t0 + t + i), kb + i * 64, D);
+        score16_d64(kb, b.qf.data(), R, nullptr, st.p.data(), n, t);
       }
     }
-  });
-  // ---- merge the splits: out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) ----
+#endif
+    for (; t < n; ++t) {
+      load_row(krow(t0 + t), b.kf.data(), D);
+      for (int64_t row = 0; row < R; ++row) {
+        const int64_t limit = ne - qn + row / G + 1;  // exact rows visible to this query
+        float acc = -kInf;
+        if (t0 + t < limit) {
+          const float* qr = b.qf.data() + row * D;
+          acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t d = 0; d < D; ++d) acc += qr[d] * b.kf[d];
+        }
+        st.p[row * n + t] = acc;
+      }
+    }
+    st.softmax_block(n);
+    for (int64_t t = 0; t < n; ++t) load_row(vrow(t0 + t), b.vf.data() + t * D, D);
+    st.add_values(n, b.vf.data());
+  }
+}
+
+// merge (kvtier.attention.partials) of the split requests: out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M)
+template <typename scalar_t, typename out_t>
+void merge_splits(const Call<scalar_t, out_t>& C, const Splits& S, int64_t nreq, const std::vector<float>& pm,
+                  const std::vector<float>& pl, const std::vector<float>& pacc) {
+  const int64_t H = C.H, D = C.D, G = C.G;
   std::vector<float> acc(D);
   for (int64_t r = 0; r < nreq; ++r) {
-    const int64_t ns = nsplit[r], q0 = rq[6 * r], R = (rq[6 * r + 1] - q0) * G;
+    const int64_t ns = S.nsplit[r], q0 = C.rq[6 * r], R = (C.rq[6 * r + 1] - q0) * G;
     if (ns == 1) continue;
     for (int64_t h = 0; h < H; ++h) {
       for (int64_t row = 0; row < R; ++row) {
         float M = -kInf;
-        for (int64_t sp_ = 0; sp_ < ns; ++sp_) M = std::max(M, pm[rows_at[r] + (sp_ * H + h) * R + row]);
+        for (int64_t sp_ = 0; sp_ < ns; ++sp_) M = std::max(M, pm[S.rows_at[r] + (sp_ * H + h) * R + row]);
         std::fill(acc.begin(), acc.end(), 0.f);
         float l = 0.f;
         for (int64_t sp_ = 0; sp_ < ns && M > -kInf; ++sp_) {
-          const int64_t i = rows_at[r] + (sp_ * H + h) * R + row;
+          const int64_t i = S.rows_at[r] + (sp_ * H + h) * R + row;
           if (pm[i] == -kInf) continue;
           const float w = std::exp(pm[i] - M);
           l += pl[i] * w;
@@ -756,15 +750,74 @@ void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Ten
           for (int64_t d = 0; d < D; ++d) acc[d] += a[d] * w;
         }
         const float inv = l > 0.f ? 1.f / l : 0.f;
-        store_row(acc.data(), op + (q0 + row / G) * os0 + (h * G + row % G) * os1, D, inv);
+        store_row(acc.data(), C.op + (q0 + row / G) * C.os0 + (h * G + row % G) * C.os1, D, inv);
       }
     }
   }
+}
+
+// _attend_request (kvtier.vllm.paged) for every (request, KV head): the packed part (sparse_packed or
+// dense_packed), the exact rows, then the rows normalized into out (or a split's state kept for merge_splits).
+template <typename scalar_t, typename out_t>
+void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Tensor value, torch::Tensor side,
+                 torch::Tensor pages, torch::Tensor reqs, torch::Tensor pstart, torch::Tensor pids, torch::Tensor out,
+                 double scale, const Sparse& sel, int64_t* counts) {
+  const int64_t H = L.H, D = L.D, T = L.T, G = q.size(1) / H;
+  const int64_t nreq = reqs.size(0);
+  const Call<scalar_t, out_t> C{
+      L, H, D, T, G,
+      q.data_ptr<scalar_t>(), key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(), side.data_ptr<scalar_t>(),
+      pages.data_ptr<uint8_t>(), reqs.data_ptr<int64_t>(), pstart.data_ptr<int64_t>(), pids.data_ptr<int64_t>(),
+      out.data_ptr<out_t>(),
+      q.stride(0), q.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+      out.stride(0), out.stride(1),
+      2 * H * D, static_cast<float>(scale)};
+  const Splits S = plan_splits(C.rq, C.ps, nreq, H, G, sel);
+  std::atomic<int64_t> valued{0}, scored{0};
+  // partial softmax states of split requests: m, l [rows], acc [rows, D]
+  std::vector<float> pm(S.rows_at[nreq]), pl(S.rows_at[nreq]), pacc(S.rows_at[nreq] * D);
+
+  at::parallel_for(0, S.first[nreq], 1, [&](int64_t begin, int64_t end) {
+    TaskBuffers b(D, T);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = std::upper_bound(S.first.begin(), S.first.end(), task) - S.first.begin() - 1;
+      const int64_t local = task - S.first[r], h = local % H, split = local / H, ns = S.nsplit[r];
+      const int64_t* x = C.rq + 6 * r;
+      const Request e{x[0], x[1] - x[0], x[2], x[3], x[4], x[5]};
+      if (e.qn == 0) continue;
+      const int64_t R = e.qn * G;  // row = i * G + g
+      Rows st(R, D, T);
+      b.qf.resize(R * D);
+      b.qsc.assign(R * D, 0.f);
+      b.qz.assign(R, 0.f);
+      for (int64_t row = 0; row < R; ++row)
+        load_row(C.qp + (e.q0 + row / G) * C.qs0 + (h * G + row % G) * C.qs1, b.qf.data() + row * D, D, C.sc);
+      if (sel.applies(e.qn))  // sparse: every packed score first, then the values of the kept tokens
+        sparse_packed(C, r, h, e, sel, R, st, b, valued, scored);
+      else
+        dense_packed(C, r, h, e, split, ns, st, b);
+      if (split == ns - 1) exact_rows(C, h, e, R, st, b);
+      if (ns > 1) {  // keep this split's state for the merge
+        const int64_t base = S.rows_at[r] + (split * H + h) * R;
+        std::copy(st.m.begin(), st.m.end(), pm.begin() + base);
+        std::copy(st.l.begin(), st.l.end(), pl.begin() + base);
+        std::copy(st.acc.begin(), st.acc.end(), pacc.begin() + base * D);
+        continue;
+      }
+      for (int64_t row = 0; row < R; ++row) {
+        const float inv = st.l[row] > 0.f ? 1.f / st.l[row] : 0.f;
+        store_row(st.acc.data() + row * D, C.op + (e.q0 + row / G) * C.os0 + (h * G + row % G) * C.os1, D, inv);
+      }
+    }
+  });
+  merge_splits(C, S, nreq, pm, pl, pacc);
   if (counts) {
     counts[0] += valued.load();
     counts[1] += scored.load();
   }
 }
+
+// --- encode: PageFormat.encode (kvtier.codecs.pages) of the blocks a step fills ---
 
 // kvtier.quant.fit_scale_zero for one group: fp16 bits of (scale, zero) from fp32 min / max
 // (mn > mx: a group without valid entries). The same fp32 operations, so the same fp16 values; its
@@ -787,91 +840,117 @@ inline uint8_t code_of(float x, float scale, float zero, float qmax) {
   return static_cast<uint8_t>(std::min(qmax, std::max(0.f, c)));
 }
 
+// The rows a step writes: its new keys and values [N, H, D] and the layer's side buffer.
+template <typename scalar_t>
+struct NewRows {
+  scalar_t* sp;
+  const scalar_t *kp, *vp;
+  int64_t ks0, ks1, vs0, vs1;
+  int64_t side_row;  // one token of a side slot: [2, H, D]
+};
+
+// Block rows of head h as fp32 k, v [T, D]: side rows of `slot` before `start`, then the new tokens
+// from `first`; the first s (sink) rows also copied exact into the page.
+template <typename scalar_t>
+void gather_rows(const Layout& L, const NewRows<scalar_t>& N, int64_t h, int64_t slot, int64_t start, int64_t first,
+                 uint8_t* page, float* k, float* v) {
+  const int64_t H = L.H, D = L.D, T = L.T, s = L.s;
+  for (int64_t t = 0; t < T; ++t) {
+    const scalar_t* kr =
+        t < start ? N.sp + (slot * T + t) * N.side_row + h * D : N.kp + (first + t - start) * N.ks0 + h * N.ks1;
+    const scalar_t* vr =
+        t < start ? N.sp + (slot * T + t) * N.side_row + H * D + h * D : N.vp + (first + t - start) * N.vs0 + h * N.vs1;
+    load_row(kr, k + t * D, D);
+    load_row(vr, v + t * D, D);
+    if (t < s) {
+      scalar_t* sk = reinterpret_cast<scalar_t*>(page + L.sink) + ((h * s + t) * 2) * D;
+      std::memcpy(sk, kr, D * sizeof(scalar_t));
+      std::memcpy(sk + D, vr, D * sizeof(scalar_t));
+    }
+  }
+}
+
+// Keys of head h: per channel over each group of kg tokens (the block's first s tokens left out of
+// the range), 4-bit codes packed into the page.
+void encode_keys(const Layout& L, int64_t h, const float* k, uint8_t* codes, uint8_t* page) {
+  const int64_t D = L.D, T = L.T, s = L.s, kg = L.kg, nkg = T / kg, cb = D / 2;
+  uint16_t* ksc = reinterpret_cast<uint16_t*>(page + L.kscale) + h * nkg * D;
+  uint16_t* kzr = reinterpret_cast<uint16_t*>(page + L.kzero) + h * nkg * D;
+  for (int64_t g = 0; g < nkg; ++g) {
+    for (int64_t d = 0; d < D; ++d) {
+      float mn = kInf, mx = -kInf;
+      for (int64_t t = std::max(g * kg, s); t < (g + 1) * kg; ++t) {
+        mn = std::min(mn, k[t * D + d]);
+        mx = std::max(mx, k[t * D + d]);
+      }
+      float scale, zero;
+      fit_scale_zero(mn, mx, 15.f, ksc[g * D + d], kzr[g * D + d], scale, zero);
+      for (int64_t t = g * kg; t < (g + 1) * kg; ++t) codes[t * D + d] = code_of(k[t * D + d], scale, zero, 15.f);
+    }
+  }
+  uint8_t* kc = page + L.kcodes + h * T * cb;
+  for (int64_t t = 0; t < T; ++t) pack_row(codes + t * D, D, 4, kc + t * cb);
+}
+
+// Values of head h: per token over groups of vg channels, vb-bit codes packed into the page.
+void encode_values(const Layout& L, int64_t h, const float* v, uint8_t* codes, uint8_t* page) {
+  const int64_t D = L.D, T = L.T, vg = L.vg, nvg = D / vg, cv = L.vrow();
+  const float vmax = static_cast<float>((1 << L.vb) - 1);
+  uint16_t* vsc = reinterpret_cast<uint16_t*>(page + L.vscale) + h * T * nvg;
+  uint16_t* vzr = reinterpret_cast<uint16_t*>(page + L.vzero) + h * T * nvg;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t gg = 0; gg < nvg; ++gg) {
+      const float* x = v + t * D + gg * vg;
+      float mn = kInf, mx = -kInf;
+      for (int64_t d = 0; d < vg; ++d) {
+        mn = std::min(mn, x[d]);
+        mx = std::max(mx, x[d]);
+      }
+      float scale, zero;
+      fit_scale_zero(mn, mx, vmax, vsc[t * nvg + gg], vzr[t * nvg + gg], scale, zero);
+      for (int64_t d = 0; d < vg; ++d) codes[t * D + gg * vg + d] = code_of(x[d], scale, zero, vmax);
+    }
+  }
+  uint8_t* vc = page + L.vcodes + h * T * cv;
+  for (int64_t t = 0; t < T; ++t) pack_row(codes + t * D, D, L.vb, vc + t * cv);
+}
+
+// update_layer (kvtier.vllm.paged): pack the blocks this step fills (gather_rows, encode_keys,
+// encode_values; reads side rows: before any side write), then the other new tokens into their side rows.
 template <typename scalar_t>
 void update_impl(const Layout& L, torch::Tensor pages, torch::Tensor side, torch::Tensor key, torch::Tensor value,
                  torch::Tensor enc, torch::Tensor writes) {
-  const int64_t H = L.H, D = L.D, T = L.T, s = L.s, kg = L.kg, vg = L.vg;
-  const int64_t nkg = T / kg, nvg = D / vg, cb = D / 2, cv = L.vrow();
-  const float vmax = static_cast<float>((1 << L.vb) - 1);
-  scalar_t* sp = side.data_ptr<scalar_t>();
-  const scalar_t* kp = key.data_ptr<scalar_t>();
-  const scalar_t* vp = value.data_ptr<scalar_t>();
+  const int64_t H = L.H, D = L.D, T = L.T;
+  const NewRows<scalar_t> N{side.data_ptr<scalar_t>(), key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(),
+                            key.stride(0), key.stride(1), value.stride(0), value.stride(1), 2 * H * D};
   uint8_t* pg = pages.data_ptr<uint8_t>();
   const int64_t* en = enc.data_ptr<int64_t>();
-  const int64_t ks0 = key.stride(0), ks1 = key.stride(1), vs0 = value.stride(0), vs1 = value.stride(1);
-  const int64_t side_row = 2 * H * D;
-  const int64_t used = L.vcodes + H * T * cv;
-  const int64_t nenc = enc.size(0);
-  // ---- pack the blocks this step fills (reads side rows: before any side write) ----
-  at::parallel_for(0, nenc * H, 1, [&](int64_t begin, int64_t end) {
+  const int64_t used = L.vcodes + H * T * L.vrow();
+  at::parallel_for(0, enc.size(0) * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> k(T * D), v(T * D);
     std::vector<uint8_t> codes(T * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H, h = task % H;
       const int64_t* e = en + 4 * b;  // page, side slot, side rows, first new token
-      const int64_t slot = e[1], start = e[2], first = e[3];
       uint8_t* page = pg + e[0] * L.page;
       if (h == 0) std::memset(page + used, 0, L.page - used);
-      for (int64_t t = 0; t < T; ++t) {
-        const scalar_t* kr = t < start ? sp + (slot * T + t) * side_row + h * D : kp + (first + t - start) * ks0 + h * ks1;
-        const scalar_t* vr =
-            t < start ? sp + (slot * T + t) * side_row + H * D + h * D : vp + (first + t - start) * vs0 + h * vs1;
-        load_row(kr, k.data() + t * D, D);
-        load_row(vr, v.data() + t * D, D);
-        if (t < s) {
-          scalar_t* sk = reinterpret_cast<scalar_t*>(page + L.sink) + ((h * s + t) * 2) * D;
-          std::memcpy(sk, kr, D * sizeof(scalar_t));
-          std::memcpy(sk + D, vr, D * sizeof(scalar_t));
-        }
-      }
-      // keys: per channel over each group of kg tokens (the block's first s tokens left out of the range)
-      uint16_t* ksc = reinterpret_cast<uint16_t*>(page + L.kscale) + h * nkg * D;
-      uint16_t* kzr = reinterpret_cast<uint16_t*>(page + L.kzero) + h * nkg * D;
-      for (int64_t g = 0; g < nkg; ++g) {
-        for (int64_t d = 0; d < D; ++d) {
-          float mn = kInf, mx = -kInf;
-          for (int64_t t = std::max(g * kg, s); t < (g + 1) * kg; ++t) {
-            mn = std::min(mn, k[t * D + d]);
-            mx = std::max(mx, k[t * D + d]);
-          }
-          float scale, zero;
-          fit_scale_zero(mn, mx, 15.f, ksc[g * D + d], kzr[g * D + d], scale, zero);
-          for (int64_t t = g * kg; t < (g + 1) * kg; ++t) codes[t * D + d] = code_of(k[t * D + d], scale, zero, 15.f);
-        }
-      }
-      uint8_t* kc = page + L.kcodes + h * T * cb;
-      for (int64_t t = 0; t < T; ++t) pack_row(codes.data() + t * D, D, 4, kc + t * cb);
-      // values: per token over groups of vg channels
-      uint16_t* vsc = reinterpret_cast<uint16_t*>(page + L.vscale) + h * T * nvg;
-      uint16_t* vzr = reinterpret_cast<uint16_t*>(page + L.vzero) + h * T * nvg;
-      for (int64_t t = 0; t < T; ++t) {
-        for (int64_t gg = 0; gg < nvg; ++gg) {
-          const float* x = v.data() + t * D + gg * vg;
-          float mn = kInf, mx = -kInf;
-          for (int64_t d = 0; d < vg; ++d) {
-            mn = std::min(mn, x[d]);
-            mx = std::max(mx, x[d]);
-          }
-          float scale, zero;
-          fit_scale_zero(mn, mx, vmax, vsc[t * nvg + gg], vzr[t * nvg + gg], scale, zero);
-          for (int64_t d = 0; d < vg; ++d) codes[t * D + gg * vg + d] = code_of(x[d], scale, zero, vmax);
-        }
-      }
-      uint8_t* vc = page + L.vcodes + h * T * cv;
-      for (int64_t t = 0; t < T; ++t) pack_row(codes.data() + t * D, D, L.vb, vc + t * cv);
+      gather_rows(L, N, h, e[1], e[2], e[3], page, k.data(), v.data());
+      encode_keys(L, h, k.data(), codes.data(), page);
+      encode_values(L, h, v.data(), codes.data(), page);
     }
   });
-  // ---- the other new tokens into their side rows ----
   const int64_t* w = writes.data_ptr<int64_t>();
   for (int64_t i = 0; i < writes.size(0); ++i) {
     const int64_t row = w[2 * i], tok = w[2 * i + 1];
-    scalar_t* dst = sp + row * side_row;
+    scalar_t* dst = N.sp + row * N.side_row;
     for (int64_t h = 0; h < H; ++h) {
-      std::memcpy(dst + h * D, kp + tok * ks0 + h * ks1, D * sizeof(scalar_t));
-      std::memcpy(dst + H * D + h * D, vp + tok * vs0 + h * vs1, D * sizeof(scalar_t));
+      std::memcpy(dst + h * D, N.kp + tok * N.ks0 + h * N.ks1, D * sizeof(scalar_t));
+      std::memcpy(dst + H * D + h * D, N.vp + tok * N.vs0 + h * N.vs1, D * sizeof(scalar_t));
     }
   }
 }
+
+// --- decode ---
 
 // Decode whole pages into token-major rows of the model dtype: PageFormat.decode(pages, dtype), the
 // same fp32 operations ((c - z) * s, then rounded once), written at out[i * T + t, h, :].
