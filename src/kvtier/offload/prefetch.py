@@ -41,6 +41,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -139,15 +140,27 @@ def reclaim_orphans(base: str) -> list[str]:
     return removed
 
 
+#: at most this long a finalizer waits for a worker's job in flight before removing its directory
+JOIN_SECONDS = 2.0
+
+
 def _shutdown(executors: list[ThreadPoolExecutor], dirs: list[str], locks: list[int]) -> None:
     """Finalizer: stop the worker and delete the private directories, then release their owner
     locks (never references the offloader). It may run on any thread (garbage collection), so it
-    does not wait for the worker."""
+    never waits without bound: it cancels queued jobs and gives the job in flight (a block read or
+    write, milliseconds) up to JOIN_SECONDS to end, so that no job writes into a directory while it
+    is removed (a file created during the removal left the directory behind)."""
+    here = threading.current_thread()
     for ex in executors:
         ex.shutdown(wait=False, cancel_futures=True)
+        for t in list(getattr(ex, "_threads", ())):
+            if t is not here:
+                t.join(JOIN_SECONDS)
     executors.clear()
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
+        if os.path.lexists(d):  # a worker that could not be waited for wrote meanwhile: once more
+            shutil.rmtree(d, ignore_errors=True)
     dirs.clear()
     for fd in locks:
         try:
