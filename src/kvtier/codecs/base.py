@@ -35,6 +35,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import StorageRangeError
+from ..quant import rotation
 
 #: Bytes of one fp16 parameter.
 FP16_BYTES = 2
@@ -116,6 +117,17 @@ class AffineCodec:
         a, b = affine_ab(self.AFFINE, k1.squeeze(3), k2.squeeze(3))
         top = a * ((1 << self.key_bits) - 1) + b
         return torch.minimum(b, top), torch.maximum(b, top)
+
+
+def encode_inputs(
+    k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, rotate: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The common start of a codec's ``encode``: ``k, v: [B, H, n, T, D]`` in the rotated basis
+    (fp32) when the codec rotates, as given otherwise, and the token mask of :func:`token_valid`."""
+    if rotate:
+        r = rotation(k.shape[-1], k.device)
+        k, v = k.float() @ r, v.float() @ r
+    return k, v, token_valid(valid)
 
 
 def token_valid(valid: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 
 from ..quant import rotation
 from ..quant.groups import SCALE_ROUND
-from .base import FP16_BYTES, check_params, token_valid
+from .base import FP16_BYTES, check_params, encode_inputs
 
 #: fp8 e4m3 (OCP "fn": no infinities, max 448), the format of transformers' and vLLM's fp8 KV caches.
 FP8 = torch.float8_e4m3fn
@@ -84,10 +84,7 @@ class Fp8Codec:
     def encode(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
         B, H, n, T, D = k.shape
         G = self.value_group
-        if self.rotate:
-            r = rotation(D, k.device)
-            k, v = k.float() @ r, v.float() @ r
-        tv = token_valid(valid)
+        k, v, tv = encode_inputs(k, v, valid, self.rotate)
         kc, ks = quantize_fp8(k, dim=3, valid=tv)
         vc, vs = quantize_fp8(v.reshape(B, H, n, T, D // G, G), dim=5, valid=tv.unsqueeze(-1))
         check_params(self.name, (ks, vs), (k, v))

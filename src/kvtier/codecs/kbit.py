@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from ..quant import dequantize_kbit, pack_bits, packed_size, quantize_kbit, rotation, unpack_bits
-from .base import FP16_BYTES, AffineCodec, check_params, token_valid
+from .base import FP16_BYTES, AffineCodec, check_params, encode_inputs
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,7 @@ class KBitCodec(AffineCodec):
     def encode(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
         B, H, n, T, D = k.shape
         G = self.value_group
-        if self.rotate:
-            r = rotation(D, k.device)
-            k, v = k.float() @ r, v.float() @ r
-        tv = token_valid(valid)
+        k, v, tv = encode_inputs(k, v, valid, self.rotate)
         kq, ks, kz = quantize_kbit(k, self.bits, dim=3, valid=tv)
         vq, vs, vz = quantize_kbit(v.reshape(B, H, n, T, D // G, G), self.bits, dim=5, valid=tv.unsqueeze(-1))
         check_params(self.name, (ks, vs), (k, v))  # |zero| <= ZERO_MAX by construction

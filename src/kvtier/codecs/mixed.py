@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from ..quant import pack_bits, packed_size, quantize_ab, rotation, unpack_bits
-from .base import AffineCodec, check_params, token_valid
+from .base import AffineCodec, check_params, encode_inputs
 
 #: Storage formats of :class:`MixedCodec`'s ``(a, b)`` parameters.
 META_DTYPES = {"fp16": torch.float16, "fp8": torch.float8_e4m3fn}
@@ -66,10 +66,7 @@ class MixedCodec(AffineCodec):
         B, H, n, T, D = k.shape
         G = self.value_group
         dt = META_DTYPES[self.meta]
-        if self.rotate:
-            r = rotation(D, k.device)
-            k, v = k.float() @ r, v.float() @ r
-        tv = token_valid(valid)
+        k, v, tv = encode_inputs(k, v, valid, self.rotate)
         kq, ka, kb = quantize_ab(k, self.key_bits, dim=3, valid=tv, dtype=dt, clip=self.clip)
         vg = v.reshape(B, H, n, T, D // G, G)
         vq, va, vb = quantize_ab(vg, self.value_bits, dim=5, valid=tv.unsqueeze(-1), dtype=dt, clip=self.clip)

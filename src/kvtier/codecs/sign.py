@@ -11,7 +11,7 @@ from typing import ClassVar
 import torch
 
 from ..quant import dequantize_sign, pack_bits, packed_size, quantize_sign, rotation, unpack_bits
-from .base import FP16_BYTES, AffineCodec, check_params, token_valid
+from .base import FP16_BYTES, AffineCodec, check_params, encode_inputs
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,7 @@ class SignCodec(AffineCodec):
     def encode(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
         B, H, n, T, D = k.shape
         G = self.value_group
-        if self.rotate:
-            r = rotation(D, k.device)
-            k, v = k.float() @ r, v.float() @ r
-        tv = token_valid(valid)
+        k, v, tv = encode_inputs(k, v, valid, self.rotate)
         ks, kscale, kmean = quantize_sign(k, dim=3, valid=tv)
         vs, vscale, vmean = quantize_sign(v.reshape(B, H, n, T, D // G, G), dim=5, valid=tv.unsqueeze(-1))
         check_params(self.name, (kscale, kmean, vscale, vmean), (k, v))
