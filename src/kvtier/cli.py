@@ -538,7 +538,7 @@ def _add_eval(sub: Any) -> None:
     for task, helptext in (
         ("ppl", "streamed perplexity (chunks <= 64, NLL over the last half)"),
         ("fidelity", "KL(full || cache) and top-1 agreement per token"),
-        ("recall", "a fact (a number in prose, a definition in code) planted at depths 0-100%, asked at the end"),
+        ("recall", "a fact (a number in prose, a definition in code) planted at depths 0-100 %%, asked at the end"),
     ):
         t = esub.add_parser(task, help=helptext)
         _common(t, "1k,2k,4k" if task == "recall" else "2k,4k,8k")
