@@ -162,7 +162,7 @@ LAYERS = [
     ["kvtier.attention"],  # incl. attention over offloaded blocks
     ["kvtier.sizing", "kvtier.diagnostics"],
     ["kvtier.hf", "kvtier.vllm", "kvtier.adapters", "kvtier"],  # the adapters and the names forwarded to hf
-    ["kvtier.eval", "kvtier.cli", "kvtier.doctor", "kvtier.models"],
+    ["kvtier.eval", "kvtier.cli", "kvtier.doctor", "kvtier.models", "kvtier.vllm.serve"],  # commands
 ]
 
 
