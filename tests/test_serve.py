@@ -47,7 +47,6 @@ def test_the_users_environment_wins(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"pages": "default", "store": "default"}, "pick one"),
         ({"disk": "/tmp/x"}, "add --store"),
         ({"vllm_args": ["--block-size=16"]}, "--block-size is set by kvtier serve"),
         ({"store": "default", "vllm_args": ["--kv_transfer_config", "{}"]}, "--kv-transfer-config is set"),
@@ -69,7 +68,7 @@ def test_cli_dry_run_prints_the_command(tmp_path, capsys):
 
 
 def test_cli_refuses_in_one_line(tmp_path, capsys):
-    assert main(["serve", str(tmp_path), "--pages", "default", "--store", "default"]) == 2
+    assert main(["serve", str(tmp_path), "--pages", "default", "--disk", "/tmp/x"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("kvtier serve: ") and "\n" not in err
 
@@ -89,3 +88,10 @@ def test_a_built_in_model_is_served_under_its_name(monkeypatch):
     assert _flag(argv, "--served-model-name") == "smollm2-135m"
     argv = list(plan_serve("smollm2-135m", environ={}, vllm_args=["--served-model-name", "x"]).argv)
     assert argv.count("--served-model-name") == 1
+
+
+def test_pages_and_store_together(tmp_path):
+    plan = plan_serve(str(tmp_path), pages="default", store="default", environ={})
+    assert "--additional-config" in plan.argv and "--kv-transfer-config" in plan.argv
+    assert dict(plan.env)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "blocks stored as their packed pages" in plan.summary

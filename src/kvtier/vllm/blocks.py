@@ -10,8 +10,10 @@ checked (header against the expected format, length, crc32) before anything trus
 Codecs: ``bits=None`` keeps the exact bytes; otherwise :class:`kvtier.codecs.KBitCodec`
 (KIVI layout, optionally after the Hadamard rotation) over the whole block, with the first
 ``sink`` tokens of a sequence's first block also kept exact (and left out of the quantization
-statistics). May import torch, ``kvtier.codecs``, ``kvtier.quant``, ``kvtier.errors``; never
-vLLM, transformers or ``kvtier.hf``.
+statistics). In an engine on kvtier's packed pages a block is each layer's page as the engine
+holds it (``BlockFormat.page_bytes``), stored as it is (header codec byte ``PAGES``). May import
+torch, ``kvtier.codecs``, ``kvtier.quant``, ``kvtier.errors``; never vLLM, transformers or
+``kvtier.hf``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import math
 import struct
 import threading
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +38,8 @@ _HEADER = struct.Struct("<4sHBBBxHHHIHHHQI")
 HEADER_BYTES = 48
 _DTYPES = {1: torch.float16, 2: torch.bfloat16, 3: torch.float32}
 _DTYPE_CODES = {v: k for k, v in _DTYPES.items()}
+#: the header's rotate byte of a packed-pages record (exact records: 0; rotated k-bit: 1)
+PAGES = 2
 
 
 class RecordCorrupt(KVTierError):
@@ -44,13 +48,16 @@ class RecordCorrupt(KVTierError):
 
 @dataclass(frozen=True)
 class BlockFormat:
-    """Shape of one block: ``kv: [layers, heads, 2, tokens, head_dim]`` in ``dtype``."""
+    """Shape of one block: ``kv: [layers, heads, 2, tokens, head_dim]`` in ``dtype``; or, in an
+    engine whose KV lives in kvtier's packed pages (``page_bytes > 0``), ``kv: [layers, page_bytes]``
+    uint8, each layer's page as the engine holds it (already compressed: stored as it is)."""
 
     layers: int
     heads: int
     tokens: int
     head_dim: int
     dtype: torch.dtype
+    page_bytes: int = field(default=0, repr=False)  # repr as before packed pages: store folder names stay
 
     def __post_init__(self) -> None:
         for name in ("layers", "heads", "tokens", "head_dim"):
@@ -62,15 +69,30 @@ class BlockFormat:
                 f"BlockFormat.dtype={self.dtype} is not allowed: expected float16, bfloat16 or float32 "
                 "(vLLM's kv_cache_dtype='auto')"
             )
+        p = self.page_bytes
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= 1 << 30:
+            raise ValueError(f"BlockFormat.page_bytes={p!r} is not allowed: expected an int in 0..2**30")
 
     @property
-    def shape(self) -> tuple[int, int, int, int, int]:
+    def shape(self) -> tuple[int, ...]:
+        if self.page_bytes:
+            return (self.layers, self.page_bytes)
         return (self.layers, self.heads, 2, self.tokens, self.head_dim)
 
     @property
-    def exact_bytes(self) -> int:
-        """Bytes of the block in the model dtype (what vLLM holds for it)."""
+    def kv_dtype(self) -> torch.dtype:
+        """dtype of a block's tensor: the model's, or uint8 for packed pages."""
+        return torch.uint8 if self.page_bytes else self.dtype
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of the block's keys and values in the model dtype."""
         return self.layers * self.heads * 2 * self.tokens * self.head_dim * self.dtype.itemsize
+
+    @property
+    def exact_bytes(self) -> int:
+        """Bytes of the block as vLLM holds it (the model dtype, or the packed pages)."""
+        return self.layers * self.page_bytes if self.page_bytes else self.dense_bytes
 
 
 class BlockCodec:
@@ -145,8 +167,10 @@ class BlockCodec:
         tokens per key quantization group (``None``: the block).
         """
         f = self.fmt
-        if tuple(kv.shape) != f.shape or kv.dtype != f.dtype:
-            raise ValueError(f"block of shape {tuple(kv.shape)} {kv.dtype}: expected {f.shape} {f.dtype}")
+        if tuple(kv.shape) != f.shape or kv.dtype != f.kv_dtype:
+            raise ValueError(f"block of shape {tuple(kv.shape)} {kv.dtype}: expected {f.shape} {f.kv_dtype}")
+        if f.page_bytes and bits is not None:
+            raise ValueError(f"bits={bits} is not allowed for packed pages: they are stored as they are (bits=None)")
         sink = min(sink, f.tokens)
         if bits is None or sink >= f.tokens:
             bits, rotate, sink, kg = None, False, 0, f.tokens
@@ -155,7 +179,7 @@ class BlockCodec:
         record = torch.empty(self.record_bytes(bits, rotate, sink, kg), dtype=torch.uint8)
         payload = record[HEADER_BYTES:]
         if bits is None:
-            payload.view(f.dtype).view(f.shape).copy_(kv)
+            payload.view(f.kv_dtype).view(f.shape).copy_(kv)
         else:  # the fields are written in place, as views of the payload
             L, H, _, _, D = f.shape
             off = self.sink_bytes(sink)
@@ -167,7 +191,7 @@ class BlockCodec:
                 off += n
             self._encode_fields(kv, bits, rotate, kg, sink, out)
         header = _HEADER.pack(
-            MAGIC, VERSION, bits or 0, int(rotate), _DTYPE_CODES[f.dtype], sink,
+            MAGIC, VERSION, bits or 0, PAGES if f.page_bytes else int(rotate), _DTYPE_CODES[f.dtype], sink,
             f.layers, f.heads, f.tokens, f.head_dim, self.value_group, kg,
             payload.numel(), zlib.crc32(payload.numpy()),
         )  # fmt: skip
@@ -214,7 +238,11 @@ class BlockCodec:
         if got != want:
             raise RecordCorrupt(f"record header {got} does not match the expected format {want}")
         bits_ = bits or None
-        if (
+        if f.page_bytes:  # packed pages: stored as they are, and said so in the header
+            if bits_ is not None or rotate != PAGES or sink:
+                raise RecordCorrupt(f"record header (bits={bits}, rotate={rotate}) is not a packed-pages record")
+            rotate = 0
+        elif (
             (bits_ is not None and bits_ not in (2, 3, 4, 6, 8))
             or rotate > 1
             or (bits_ is not None and sink >= T)
@@ -241,7 +269,7 @@ class BlockCodec:
         f = self.fmt
         payload = record[HEADER_BYTES:]
         if bits is None:
-            kv = payload.view(f.dtype).view(f.shape)
+            kv = payload.view(f.kv_dtype).view(f.shape)
             return kv.clone() if out is None else out.copy_(kv)
         off = self.sink_bytes(sink)
         fields, at = {}, {}

@@ -3,8 +3,9 @@
 :func:`plan_serve` turns what the user asked for (a model, a page policy and/or a store policy,
 vLLM flags to pass on) into a :class:`ServePlan`: the server's argv, the environment it needs on
 this platform and the C++ kernels to build before it starts. Decided once, here, and checked
-before the server's minutes-long start: a conflict (a flag kvtier sets given again, the store with
-packed pages) is one line, not an engine that dies after loading. :func:`run` builds the kernels
+before the server's minutes-long start: a conflict (a flag kvtier sets given again, store flags
+without a store) is one line, not an engine that dies after loading. Pages and store together:
+the store keeps each block as its packed pages. :func:`run` builds the kernels
 with a progress line, says what it starts, and replaces this process by the server (signals and
 exit status are the server's own).
 
@@ -70,16 +71,11 @@ def plan_serve(
     """The server for ``model`` with packed pages of policy ``pages`` or the prefix store of policy
     ``store`` (``cpu_bytes``, ``disk``, ``disk_bytes`` as :func:`kvtier.vllm.kv_transfer_config`);
     neither: packed pages, ``default``. ``vllm_args`` go to the server after kvtier's own flags."""
-    from . import kv_transfer_config, serve_args
+    from . import get_page_policy, kv_transfer_config, serve_args
 
     environ = os.environ if environ is None else environ
     if store is None and (cpu_bytes is not None or disk is not None or disk_bytes is not None):
         raise ValueError("--cpu-bytes, --disk and --disk-bytes configure the prefix store: add --store POLICY")
-    if pages is not None and store is not None:
-        raise ValueError(
-            "--pages and --store in one server are not supported yet (the engine refuses the store with "
-            "packed pages): pick one"
-        )
     if pages is None and store is None:
         pages = "default"
     ours: list[str] = ["--model", _model(model)]
@@ -87,11 +83,12 @@ def plan_serve(
         ours += ["--served-model-name", model]  # clients ask for "smollm2-135m", not the converted folder
     env = {k: v for k, v in CPU_ENV.items() if k not in environ}
     kernels: tuple[str, ...] = ()
+    what = []
     if pages is not None:
         ours += serve_args(pages)
         kernels = ("vllm_paged_cpu", "prefill_cpu")
-        what = f"packed KV pages ({pages})"
-    else:
+        what.append(f"packed KV pages ({pages})")
+    if store is not None:
         extra = {"cpu_bytes": cpu_bytes} if cpu_bytes is not None else {}
         config = kv_transfer_config(store, disk_path=disk, disk_bytes=disk_bytes, as_json=True, **extra)
         ours += ["--kv-transfer-config", config]
@@ -104,7 +101,11 @@ def plan_serve(
             )
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         where = f", blocks on disk in {disk}" if disk else ""
-        what = f"prefix store ({store}{where})"
+        as_pages = (
+            ", blocks stored as their packed pages" if pages is not None and get_page_policy(pages).packed else ""
+        )
+        what.append(f"prefix store ({store}{where}{as_pages})")
+    what = " and ".join(what)
     twice = sorted(_flag_names(ours) & _flag_names(vllm_args))
     if twice:
         raise ValueError(f"{', '.join(twice)} is set by kvtier serve for {what}: leave it out of the vLLM flags")

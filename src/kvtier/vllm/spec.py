@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Collection
 from concurrent.futures import Future
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -66,6 +67,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ..errors import KVTierError
 from .blocks import BlockFormat
 from .config import StoreConfig
+from .policy import get_store_policy
 from .store import PrefixStore
 
 logger = logging.getLogger(__name__)
@@ -226,10 +228,11 @@ class KVTierWorker(OffloadingWorker):
                 f"kvtier's prefix store needs one KV-cache group, this model has {len(kv_caches.group_data_refs)}"
             )
         refs = kv_caches.group_data_refs[0]
-        page = fmt.heads * 2 * fmt.tokens * fmt.head_dim * fmt.dtype.itemsize
+        page = fmt.exact_bytes // fmt.layers
         if len(refs) != fmt.layers:
             raise KVTierError(f"kvtier's prefix store expected {fmt.layers} layers, vLLM registered {len(refs)}")
-        self.pages: list[torch.Tensor] = []  # per layer: [num_blocks, H, 2, T, D] views of vLLM's pages
+        # per layer: [num_blocks, H, 2, T, D] views of vLLM's pages, or [num_blocks, page_bytes] packed pages
+        self.pages: list[torch.Tensor] = []
         for ref in refs:
             t = kv_caches.tensors[ref.tensor_idx].tensor
             if ref.page_size_bytes != page or t.device.type != "cpu":
@@ -237,14 +240,14 @@ class KVTierWorker(OffloadingWorker):
                     f"kvtier's prefix store expected {page}-byte CPU pages ({fmt}), vLLM has {ref.page_size_bytes} "
                     f"bytes on {t.device}"
                 )
-            view = t[:, :page].view(fmt.dtype).view(t.shape[0], fmt.heads, 2, fmt.tokens, fmt.head_dim)
+            view = t[:, :page].view(fmt.kv_dtype).view(t.shape[0], *fmt.shape[1:])
             self.pages.append(view)
         self._done: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
         self._jobs: dict[int, Future] = {}
         # one block each for the store thread's gather and the engine thread's loads: a fresh
         # tensor per block costs page faults on every transfer
-        self._stored = torch.empty(fmt.shape, dtype=fmt.dtype)
-        self._loaded = torch.empty(fmt.shape, dtype=fmt.dtype)
+        self._stored = torch.empty(fmt.shape, dtype=fmt.kv_dtype)
+        self._loaded = torch.empty(fmt.shape, dtype=fmt.kv_dtype)
 
     def _gather(self, block: int) -> torch.Tensor:
         return torch.stack([p[block] for p in self.pages], out=self._stored)
@@ -320,7 +323,21 @@ class KVTierWorker(OffloadingWorker):
         self.store.flush()
 
 
-def _block_format(config: OffloadingConfig) -> BlockFormat:
+def _packed_pages(vllm_config, heads: int, head_dim: int, dtype: torch.dtype) -> tuple[str, int] | None:  # noqa: ANN001
+    """``(page policy name, bytes per page)`` where the engine attends through kvtier's packed pages
+    (its ``additional_config`` names a packed page policy), else None."""
+    from ..codecs.pages import PageFormat
+    from .pages import CONFIG_KEY, parse_policy_name
+
+    name = (vllm_config.additional_config or {}).get(CONFIG_KEY)
+    if name is None:
+        return None
+    policy = parse_policy_name(name)
+    return (name, PageFormat(policy, heads, head_dim, dtype).page_bytes) if policy.packed else None
+
+
+def _block_format(config: OffloadingConfig) -> tuple[BlockFormat, str | None]:
+    """The store's block format and, in an engine on kvtier's packed pages, the page policy's name."""
     from vllm.config import get_current_vllm_config_or_none
 
     (group,) = config.groups
@@ -337,13 +354,14 @@ def _block_format(config: OffloadingConfig) -> BlockFormat:
         heads, head_dim = mc.get_num_kv_heads(vllm_config.parallel_config), mc.get_head_size()
     else:  # the page size only gives heads * head_dim
         raise KVTierError("kvtier's prefix store could not read the model's KV heads and head size from vLLM's config")
-    fmt = BlockFormat(layers, heads, tokens, head_dim, dtype)
+    pages = _packed_pages(vllm_config, heads, head_dim, dtype)
+    fmt = BlockFormat(layers, heads, tokens, head_dim, dtype, page_bytes=0 if pages is None else pages[1])
     if config.worker_kv_bytes_per_block and config.worker_kv_bytes_per_block != fmt.exact_bytes:
         raise KVTierError(
             f"kvtier's prefix store computed {fmt.exact_bytes} bytes per block ({fmt}), vLLM "
             f"{config.worker_kv_bytes_per_block}: only plain full-attention models are supported"
         )
-    return fmt
+    return fmt, None if pages is None else pages[0]
 
 
 def _require_one_process() -> None:
@@ -411,16 +429,25 @@ class KVTierOffloadingSpec(OffloadingSpec):
         with _STORES_LOCK:
             store = _STORES.get(config.engine_id)
             if store is None:
-                fmt = _block_format(config)
-                ident = json.dumps(
-                    [config.model.name, str(fmt), self.store_config.policy_fields(), self.tokens_per_hash],
-                    sort_keys=True,
-                )
-                namespace = "kvtier-" + hashlib.sha256(ident.encode()).hexdigest()[:16]
+                fmt, pages = _block_format(config)
                 sc = self.store_config
-                store = PrefixStore(sc.store_policy, fmt, sc.cpu_bytes, sc.disk_path, namespace, sc.disk_bytes)
+                policy = sc.store_policy if pages is None else get_store_policy("exact")
+                fields = sc.policy_fields() if pages is None else asdict(policy)
+                what = [config.model.name, str(fmt), fields, self.tokens_per_hash]
+                if pages is not None:  # the page layout is the codec: one folder per page policy
+                    what.append(pages)
+                ident = json.dumps(what, sort_keys=True)
+                namespace = "kvtier-" + hashlib.sha256(ident.encode()).hexdigest()[:16]
+                store = PrefixStore(policy, fmt, sc.cpu_bytes, sc.disk_path, namespace, sc.disk_bytes)
                 _STORES[config.engine_id] = store
                 logger.info("%s", store.describe())
+                if pages is not None and policy != sc.store_policy:
+                    logger.info(
+                        "kvtier prefix store: this engine's KV is in kvtier's packed pages (%s), stored as they "
+                        "are: the codecs of store policy %r do not apply",
+                        pages,
+                        sc.policy,
+                    )
         return store
 
     def get_manager(self) -> OffloadingManager:

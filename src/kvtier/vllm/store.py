@@ -176,11 +176,12 @@ class PrefixStore:
         holds, the folder (blocks found, budget, read-only)."""
         from .. import __version__
 
-        exact = self.fmt.exact_bytes
+        exact = self.fmt.dense_bytes
         dtype = str(self.fmt.dtype).removeprefix("torch.")
         steps = []
         for i, (bits, rotate, _) in enumerate(self.levels):
             name = "exact" if bits is None else f"{bits}-bit" + (" rotated" if rotate else "")
+            name = "as the engine's packed pages" if self.fmt.page_bytes else name
             steps.append(f"{name} ({self.record_bytes(i, 0) / exact:.3f} of {dtype})")
         first = self.record_bytes(0, 0)
         tokens = self.cpu_bytes // first * self.fmt.tokens
