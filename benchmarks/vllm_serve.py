@@ -17,6 +17,17 @@ Parts (``--parts``):
   (``--chunk 4``: every position through the decode kernel, sparse decode included; ``--ppl-len 0``
   skips the perplexity);
 - ``speed``: one request of a 2k prompt + 64 new tokens, wall time (median of ``--reps``);
+- ``agreement``: how far each configuration's outputs move from vLLM bf16's (``vllm`` runs first):
+  ``--agree-prompts`` windows of ``--prompt`` tokens (:func:`agreement_prompts`: the books of
+  ../shared/data/pg and the Python files of ../shared/data/code, round robin), each engine with
+  chunked prefill of ``--chunk`` tokens and prefix caching off. *Greedy*: ``--continuation`` new
+  tokens, batched; per prompt the first position that differs from bf16's continuation (the share
+  of positions before it, the count of full matches). *Teacher-forced*: prompt + bf16's greedy
+  continuation, one request at a time with ``prompt_logprobs=1``, so with ``--chunk`` dividing
+  ``--prompt`` the continuation is one last chunk that reads every prompt token from the pages of
+  earlier chunks (kvtier: packed); the share of continuation positions whose top-1 token is bf16's
+  token there, and the mean NLL of those tokens minus bf16's. ``vllm``'s own teacher-forced share
+  is the floor set by vLLM itself (its prefill path vs its decode path in bf16);
 - ``load``: ``--requests`` requests of a 2k prompt + 128 new tokens submitted at once: wall time,
   total (prompt + new) tokens/s, the most requests running at once, and the seconds spent in steps
   that carry prompt tokens vs steps of decode rows only (``execute_model`` timed), for kvtier the
@@ -64,6 +75,80 @@ def book_ids(tok, count: int, length: int) -> list[list[int]]:  # noqa: ANN001
         (body,) = shipped_book().values()
         texts = [body[i * 100_000 : (i + 1) * 100_000] for i in range(count)]
     return [tok(t)["input_ids"][:length] for t in texts[:count]]
+
+
+def agreement_prompts(tok, count: int, length: int) -> list[tuple[str, list[int]]]:  # noqa: ANN001
+    """``count`` windows of ``length`` tokens, named ``source@char``: the books of ../shared/data/pg
+    and the Python files of ../shared/data/code (sorted by name), round robin, the k-th window of a
+    source at character ``20,000 + k * (len - 40,000) / windows per source``."""
+    data = Path(__file__).resolve().parents[2] / "shared" / "data"
+    sources = sorted((data / "pg").glob("*.txt")) + sorted((data / "code").glob("python_*.txt"))
+    if not sources:
+        raise SystemExit(f"agreement: no texts in {data}/pg or {data}/code")
+    per = -(-count // len(sources))
+    out = []
+    for k in range(per):
+        for src in sources:
+            text = src.read_text(encoding="utf-8")
+            at = 20_000 + k * (len(text) - 40_000) // per
+            ids = tok(text[at : at + 16 * length])["input_ids"][:length]
+            assert len(ids) == length, (src.name, at, len(ids))
+            out.append((f"{src.stem}@{at}", ids))
+    return out[:count]
+
+
+def agreement(llm, prompts: list[tuple[str, list[int]]], args, ref: dict | None) -> tuple[dict, dict]:  # noqa: ANN001
+    """Greedy and teacher-forced agreement with ``ref`` (bf16's raw outputs; ``None``: this is bf16).
+
+    Returns the summary and this engine's raw outputs (continuations, continuation NLLs, top-1 tokens).
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    n = args.continuation
+    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+    t = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids in prompts], sp, use_tqdm=False)
+    greedy_s = time.perf_counter() - t
+    conts = [list(o.outputs[0].token_ids) for o in outs]
+    ref = ref or {"conts": conts}  # bf16: its own continuation is the reference
+    first = [next((i for i, (a, b) in enumerate(zip(c, r)) if a != b), n) for c, r in zip(conts, ref["conts"])]
+    # teacher-forced: prompt + bf16's continuation, one request at a time (chunks start at 0, --chunk apart)
+    tf = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0, detokenize=False)
+    nlls, tops = [], []
+    t = time.perf_counter()
+    for (_, ids), cont in zip(prompts, ref["conts"]):
+        full = ids + cont
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=full)], tf, use_tqdm=False)
+        lps = out.prompt_logprobs[len(ids) :]
+        nlls.append([-lp[tok].logprob for lp, tok in zip(lps, cont)])
+        tops.append([min(lp.items(), key=lambda kv: kv[1].rank)[0] for lp in lps])
+    tf_s = time.perf_counter() - t
+    ref_nll = ref.get("nlls", nlls)
+    ref_top = ref.get("tops", tops)
+    per_prompt = [
+        {
+            "prompt": name,
+            "greedy_first_diff": f,
+            "tf_top1_agree": statistics.fmean(a == b for a, b in zip(top, cont)),
+            "tf_top1_agree_bf16_top1": statistics.fmean(a == b for a, b in zip(top, rtop)),
+            "tf_dnll": statistics.fmean(x - y for x, y in zip(nll, rnll)),
+        }
+        for (name, _), f, top, cont, rtop, nll, rnll in zip(prompts, first, tops, ref["conts"], ref_top, nlls, ref_nll)
+    ]
+    summary = {
+        "greedy_agree": statistics.fmean(f / n for f in first),
+        "greedy_full_match": sum(f == n for f in first),
+        "greedy_first_diff_mean": statistics.fmean(first),
+        "tf_top1_agree": statistics.fmean(p["tf_top1_agree"] for p in per_prompt),
+        "tf_top1_agree_bf16_top1": statistics.fmean(p["tf_top1_agree_bf16_top1"] for p in per_prompt),
+        "tf_nll": statistics.fmean(x for row in nlls for x in row),
+        "tf_dnll": statistics.fmean(p["tf_dnll"] for p in per_prompt),
+        "agreement_greedy_s": greedy_s,
+        "agreement_tf_s": tf_s,
+        "agreement_prompts": per_prompt,
+    }
+    return summary, {"conts": ref["conts"], "nlls": nlls, "tops": tops}
 
 
 def build(name: str, model: str, **kw):  # noqa: ANN003, ANN201
@@ -256,7 +341,7 @@ def paired(args) -> None:  # noqa: ANN001
 
     from kvtier.models import model_dir
 
-    model = str(model_dir())
+    model = str(model_dir(args.model))
     tok = AutoTokenizer.from_pretrained(model)
     names = args.configs.split(",")
     engines = {name: build(name, model, max_num_seqs=args.max_num_seqs) for name in names}
@@ -303,6 +388,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--model", default="smollm2-135m", help="a kvtier model name or a local model folder")
+    ap.add_argument("--agree-prompts", type=int, default=20, help="agreement: prompts of --prompt tokens")
+    ap.add_argument("--continuation", type=int, default=64, help="agreement: greedy / teacher-forced tokens")
+    ap.add_argument("--out", help="also write the final JSON line to this file")
     ap.add_argument(
         "--paired",
         type=int,
@@ -318,12 +407,25 @@ def main() -> None:
 
     from kvtier.models import model_dir
 
-    model = str(model_dir())
+    model = str(model_dir(args.model))
     tok = AutoTokenizer.from_pretrained(model)
     parts = args.parts.split(",")
+    names = args.configs.split(",")
     results: dict[str, dict] = {}
-    for name in args.configs.split(","):
+    if "agreement" in parts:
+        if names[0] != "vllm":
+            raise SystemExit("--parts agreement: --configs must start with vllm (the bf16 reference)")
+        prompts, agree_ref = agreement_prompts(tok, args.agree_prompts, args.prompt), None
+    for name in names:
         res: dict = {}
+        if "agreement" in parts:
+            seqs = min(args.max_num_seqs, args.chunk)
+            llm = build(name, model, max_num_batched_tokens=args.chunk, enable_prefix_caching=False, max_num_seqs=seqs)
+            res.update(capacity(llm))
+            summary, raw = agreement(llm, prompts, args, agree_ref)
+            agree_ref = agree_ref or raw
+            res.update(summary)
+            close(llm)
         if "quality" in parts:
             seqs = min(args.max_num_seqs, args.chunk)  # vLLM: max_num_batched_tokens >= max_num_seqs
             llm = build(name, model, max_num_batched_tokens=args.chunk, enable_prefix_caching=False, max_num_seqs=seqs)
@@ -345,11 +447,27 @@ def main() -> None:
         print(name, json.dumps(res), flush=True)
     base = results.get("vllm", {})
     for name, res in results.items():
-        ratios = {k: res[k] / base[k] for k in res if k in base and isinstance(res[k], float | int) and base[k]}
+        ratios = {
+            k: res[k] / base[k]
+            for k in res
+            if k in base and isinstance(res[k], float | int) and base[k] and not k.startswith(("greedy_", "tf_"))
+        }
         print(f"{name:>8} / vllm:", " ".join(f"{k}={v:.4g}" for k, v in ratios.items()))
         if "nll64_dracula" in res and "nll64_dracula" in base:
             print(f"{name:>8} - vllm nll64:", {b: res[f"nll64_{b}"] - base[f"nll64_{b}"] for b in BOOKS})
-    print(json.dumps({"bench": "vllm_serve", "args": vars(args), "load": os.getloadavg(), "results": results}))
+    if "agreement" in parts:
+        print(f"agreement with vLLM bf16, {len(prompts)} prompts of {args.prompt} tokens, chunk {args.chunk}:")
+        print(f"{'config':>8} {'KV tokens':>10} {'greedy':>7} {'full':>5} {'1st diff':>8} {'TF top-1':>8} {'dNLL':>8}")
+        for name, res in results.items():
+            print(
+                f"{name:>8} {res['kv_tokens'] / base['kv_tokens']:>9.2f}x {res['greedy_agree']:>7.3f}"
+                f" {res['greedy_full_match']:>2}/{len(prompts):<2} {res['greedy_first_diff_mean']:>8.1f}"
+                f" {res['tf_top1_agree']:>8.4f} {res['tf_dnll']:>+8.4f}"
+            )
+    line = json.dumps({"bench": "vllm_serve", "args": vars(args), "load": os.getloadavg(), "results": results})
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    print(line)
 
 
 if __name__ == "__main__":
