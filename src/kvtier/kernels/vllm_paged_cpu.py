@@ -8,8 +8,8 @@ its partly filled block, then the step's new K/V, causal); the output goes strai
 caller's tensor. :func:`update`: packs the blocks a step fills (the bytes of
 :meth:`kvtier.codecs.pages.PageFormat.encode`) and writes the other new tokens into the side
 buffer. :func:`decode`: whole pages into token-major rows of the model dtype. The torch references
-are :func:`kvtier.vllm.paged.attend_layer`, :func:`~kvtier.vllm.paged.update_layer` and
-:meth:`~kvtier.codecs.pages.PageFormat.decode`. The C++ is ``csrc/vllm_paged_attention.cpp``, built
+are the torch backend of :class:`kvtier.vllm.attention.PagedAttention` (whose ``"cpp"`` backend
+calls these) and :meth:`~kvtier.codecs.pages.PageFormat.decode`. The C++ is ``csrc/vllm_paged_attention.cpp``, built
 by :mod:`kvtier.kernels.build`; when that fails :func:`available` is False and callers use the
 torch path. Imports only torch and ``.build``.
 """

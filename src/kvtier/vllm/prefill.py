@@ -1,38 +1,40 @@
 """Prefill chunks over packed pages: kvtier's bf16 kernel or vLLM's own CPU attention kernels.
 
-A request of a step that the fused kernel does not take (:func:`kvtier.vllm.paged.fused_takes`: a
-prefill chunk) is compute-bound: its new tokens attend everything before them and each other, causal.
-:class:`VllmPrefill` stages, per layer, that request's keys and values in model dtype into a
-scratch paged cache of vLLM's CPU layout (the packed earlier blocks decoded, the exact rows of its
-side slot or of a cached block read in part, then the chunk itself, through vLLM's
-``cpu_attn_reshape_and_cache``) and runs vLLM's ``cpu_attention_with_kv_cache`` over it, writing
-the request's rows of the output in place. The plan (which kernel; for vLLM's, its block table,
-lengths and scheduler metadata) is made once per step (:meth:`VllmPrefill.plan`) and shared by
-every layer.
+A request of a step that the C++ kernel does not take (a prefill chunk: decided by
+:meth:`kvtier.vllm.attention.PagedAttention.plan`) is compute-bound: its new tokens attend everything
+before them and each other, causal. :class:`VllmPrefill` runs such a request through the kernel the
+plan chose for it:
 
-A chunk without packed earlier blocks runs in the model dtype (its keys and values are the model's
-own, exact): in bf16 on a CPU with AVX-512 BF16 through kvtier's prefill kernel
-(:mod:`kvtier.kernels.prefill_cpu`, bf16 dot products summed in fp32: 1.6x vLLM's CPU kernel on a
-2k chunk), else through vLLM's. One that reads packed blocks goes, where the engine's pages allow
-it (:func:`kvtier.kernels.prefill_cpu.paged_supported`) and it reads no cached block in part,
-through the same kernel reading the pages' codes in place (:func:`~kvtier.kernels.prefill_cpu.attend_paged`:
-the codes are exact in bf16, the key scales go into the query as bf16 hi + lo, the value scales
-into the probabilities); else in fp32 through vLLM's kernel over the decoded pages, since decoded
-values are not values of the model dtype (rounding them to bf16 cost +0.015-0.02 nats on the next
-64 tokens after 3k). Imports vLLM's ops (lazily, in
-:class:`VllmPrefill`), torch, :mod:`kvtier.kernels` and :mod:`.paged` / :mod:`.pages`; used by
-:mod:`.backend` only, tested against the torch reference in tests/vllm.
+- ``"vllm"``: stages, per layer, the request's keys and values into a scratch paged cache of vLLM's
+  CPU layout (the packed earlier blocks decoded, the exact rows of its side slot or of a cached block
+  read in part, then the chunk itself, through vLLM's ``cpu_attn_reshape_and_cache``) and runs vLLM's
+  ``cpu_attention_with_kv_cache`` over it, writing the request's rows of the output in place; in fp32
+  when it reads packed blocks, since decoded values are not values of the model dtype (rounding them
+  to bf16 cost +0.015-0.02 nats on the next 64 tokens after 3k);
+- ``"kvtier"``: a chunk without packed earlier blocks (its keys and values are the model's own,
+  exact) in bf16 through kvtier's prefill kernel (:mod:`kvtier.kernels.prefill_cpu`, bf16 dot
+  products summed in fp32: 1.6x vLLM's CPU kernel on a 2k chunk);
+- ``"kvtier_paged"``: a chunk over packed blocks and no cached block read in part through the same
+  kernel reading the pages' codes in place (:func:`~kvtier.kernels.prefill_cpu.attend_paged`: the
+  codes are exact in bf16, the key scales go into the query as bf16 hi + lo, the value scales into
+  the probabilities).
+
+Each request's :class:`PrefillPlan` (its kernel; for vLLM's, its block table, lengths and scheduler
+metadata) is made once per step (:meth:`VllmPrefill.plan`) and shared by every layer. Imports vLLM's
+ops (lazily, in :class:`VllmPrefill`), torch, :mod:`kvtier.kernels.prefill_cpu` and :mod:`.paged`;
+used by :mod:`.attention` only, tested against the torch reference in tests/vllm.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..codecs.pages import PageFormat
 from ..kernels import prefill_cpu
-from .paged import RequestPlan, StepPlan, kernel_index
+from .paged import RequestPlan
 
 
 @dataclass
@@ -53,21 +55,6 @@ class PrefillPlan:
     pids: torch.Tensor | None = None  # int64 [packed]: kvtier's kernel over packed pages
 
 
-def decode_rows(fmt: PageFormat, pages: torch.Tensor, ids: list[int], dtype: torch.dtype):  # noqa: ANN201
-    """Token-major ``k, v [len(ids) * T, H, D]`` in ``dtype`` of pages ``ids``: the C++ decoder
-    (:func:`kvtier.kernels.vllm_paged_cpu.decode`, ``PagePolicy.kernel_codes``) or
-    :meth:`~kvtier.codecs.pages.PageFormat.decode` (the same values)."""
-    from ..kernels import vllm_paged_cpu
-
-    n, T, H, D = len(ids), fmt.tokens, fmt.heads, fmt.head_dim
-    if fmt.policy.kernel_codes and dtype in (fmt.dtype, torch.float32) and vllm_paged_cpu.available():
-        k, v = torch.empty(n * T, H, D, dtype=dtype), torch.empty(n * T, H, D, dtype=dtype)
-        vllm_paged_cpu.decode(pages, torch.tensor(ids, dtype=torch.long), k, v, fmt.dtype, fmt.layout())
-        return k, v
-    k, v = fmt.decode(pages[torch.tensor(ids)], dtype)  # [n, H, T, D]
-    return k.transpose(1, 2).reshape(-1, H, D), v.transpose(1, 2).reshape(-1, H, D)
-
-
 class VllmPrefill:
     """Prefill chunks of one engine: kvtier's bf16 kernel or vLLM's CPU attention (see the module docstring)."""
 
@@ -78,7 +65,6 @@ class VllmPrefill:
         head_dim: int,
         block_size: int,
         dtype: torch.dtype,
-        fmt: PageFormat | None = None,
     ):
         from vllm import _custom_ops as ops
         from vllm import envs
@@ -88,46 +74,40 @@ class VllmPrefill:
         self.Hq, self.H, self.D, self.T, self.dtype = num_heads, num_kv_heads, head_dim, block_size, dtype
         self.isa = {dt: _get_attn_isa(dt, block_size, head_dim, "auto") for dt in {dtype, torch.float32}}
         self._scratch = {dt: torch.empty(0, num_kv_heads, block_size, 2 * head_dim, dtype=dt) for dt in self.isa}
-        #: chunks of exact bf16 keys and values go through kvtier's bf16 kernel (decided once per engine)
-        self.bf16_kernel = dtype == torch.bfloat16 and head_dim in (64, 128) and prefill_cpu.available()
-        #: ... and chunks over packed blocks too, reading ``fmt``'s pages in place (``fmt``: the engine's)
-        self.paged_kernel = self.bf16_kernel and fmt is not None and prefill_cpu.paged_supported(fmt.layout())
 
-    def plan(self, plan: StepPlan) -> list[PrefillPlan]:
-        """The prefill requests of ``plan`` (those the fused kernel leaves: ``kernel_index(plan)["rest"]``)."""
-        out = []
-        for req in kernel_index(plan)["rest"]:
-            c = len(req.packed) * self.T + req.head_rows + req.side_rows
-            n = req.qe - req.qs
-            L = c + n
-            blocks = -(-L // self.T)
-            if req.packed and not req.head_rows and self.paged_kernel:  # kvtier's kernel over the pages
-                out.append(PrefillPlan(req, c, blocks, self.dtype, True, pids=torch.tensor(req.packed)))
-                continue
-            # vLLM's kernel over decoded packed blocks in fp32: they are not values of the model dtype
-            dtype = torch.float32 if req.packed or req.head_rows else self.dtype
-            if dtype == torch.bfloat16 and self.bf16_kernel:  # kvtier's kernel: no vLLM tensors
-                out.append(PrefillPlan(req, c, blocks, dtype, True))
-                continue
-            qsl = torch.tensor([0, n], dtype=torch.int32)
-            seq = torch.tensor([L], dtype=torch.int32)
-            meta = self.ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=1,
-                num_heads=self.Hq,
-                num_kv_heads=self.H,
-                head_dim=self.D,
-                seq_lens=seq,
-                dtype=dtype,
-                query_start_loc=qsl,
-                causal=True,
-                sliding_window_size=-1,
-                isa=self.isa[dtype],
-                enable_kv_split=self.split_kv,
-            )
-            table = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
-            slots = torch.arange(L, dtype=torch.long)
-            out.append(PrefillPlan(req, c, blocks, dtype, False, qsl, seq, table, slots, meta))
-        return out
+    def plan(self, req: RequestPlan, kernel: str) -> PrefillPlan:
+        """The :class:`PrefillPlan` of request ``req`` through ``kernel`` (chosen by
+        :meth:`kvtier.vllm.attention.PagedAttention.plan`): ``"kvtier_paged"`` (kvtier's bf16 kernel
+        reading the packed pages in place), ``"kvtier"`` (kvtier's bf16 kernel over exact keys and
+        values) or ``"vllm"`` (vLLM's kernel; over packed blocks decoded to fp32)."""
+        c = len(req.packed) * self.T + req.head_rows + req.side_rows
+        n = req.qe - req.qs
+        L = c + n
+        blocks = -(-L // self.T)
+        if kernel == "kvtier_paged":
+            return PrefillPlan(req, c, blocks, self.dtype, True, pids=torch.tensor(req.packed))
+        if kernel == "kvtier":
+            return PrefillPlan(req, c, blocks, self.dtype, True)
+        # vLLM's kernel over decoded packed blocks in fp32: they are not values of the model dtype
+        dtype = torch.float32 if req.packed or req.head_rows else self.dtype
+        qsl = torch.tensor([0, n], dtype=torch.int32)
+        seq = torch.tensor([L], dtype=torch.int32)
+        meta = self.ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=1,
+            num_heads=self.Hq,
+            num_kv_heads=self.H,
+            head_dim=self.D,
+            seq_lens=seq,
+            dtype=dtype,
+            query_start_loc=qsl,
+            causal=True,
+            sliding_window_size=-1,
+            isa=self.isa[dtype],
+            enable_kv_split=self.split_kv,
+        )
+        table = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
+        slots = torch.arange(L, dtype=torch.long)
+        return PrefillPlan(req, c, blocks, dtype, False, qsl, seq, table, slots, meta)
 
     def scratch(self, blocks: int, dtype: torch.dtype) -> torch.Tensor:
         """``[blocks, H, T, 2 * D]`` scratch pages (grown on demand, shared by every layer and request).
@@ -149,8 +129,10 @@ class VllmPrefill:
         value: torch.Tensor,
         scale: float,
         out: torch.Tensor,
+        decode: Callable,
     ) -> None:
-        """Write ``out[qs:qe]`` (``[N, Hq, D]``, model dtype) of prefill request ``p`` of this layer."""
+        """Write ``out[qs:qe]`` (``[N, Hq, D]``, model dtype) of prefill request ``p`` of this layer;
+        ``decode(fmt, pages, ids, dtype)``: token-major rows of packed pages (the backend kernel's)."""
         req, dt = p.req, p.dtype
         q, k, v = query[req.qs : req.qe], key[req.qs : req.qe], value[req.qs : req.qe]
         if p.pids is not None:  # kvtier's kernel over the packed pages, then side rows and the chunk
@@ -162,7 +144,7 @@ class VllmPrefill:
         if p.context:  # the earlier tokens, token-major [context, H, D], then the chunk
             ks, vs = [], []
             if req.packed:  # [p * T, H, D]
-                kd, vd = decode_rows(fmt, pages, req.packed, dt)
+                kd, vd = decode(fmt, pages, req.packed, dt)
                 ks.append(kd)
                 vs.append(vd)
             if req.head_rows:
