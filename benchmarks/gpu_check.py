@@ -527,7 +527,7 @@ def page_step(fmt, T: int, lengths: list[int], news: list[int], device, seed: in
     Returns ``(plan, pages, side, new tokens)``; tensors on ``device``."""
     import torch
 
-    from kvtier.vllm.paged import SideBuffer, plan_step
+    from kvtier.vllm.pages.paged import SideBuffer, plan_step
 
     g = torch.Generator().manual_seed(seed)
     H, D, dt = fmt.heads, fmt.head_dim, fmt.dtype
@@ -564,8 +564,8 @@ def run_vllm_pages(sz: Sizes, device, timer: Timer) -> list[dict]:
     import torch.nn.functional as F
 
     from kvtier.codecs.pages import PageFormat
-    from kvtier.vllm.attention import PagedAttention
-    from kvtier.vllm.pages import PagePolicy
+    from kvtier.vllm.pages.attention import PagedAttention
+    from kvtier.vllm.pages.policy import PagePolicy
 
     T, C, R = sz.page_block, sz.page_context, sz.page_reqs
     policies = {
@@ -620,7 +620,7 @@ def _chunk_row(sz: Sizes, device, timer: Timer, fmt, Hq: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from kvtier.vllm.attention import PagedAttention
+    from kvtier.vllm.pages.attention import PagedAttention
 
     T, C, R, n = sz.page_block, sz.page_context, sz.page_chunk_reqs, sz.page_chunk
     H, D = fmt.heads, fmt.head_dim
@@ -655,7 +655,7 @@ def _page_variants() -> list[tuple]:
 
     from kvtier.codecs.pages import PageFormat
     from kvtier.kernels import triton_pages as tp
-    from kvtier.vllm.pages import PagePolicy
+    from kvtier.vllm.pages.policy import PagePolicy
 
     out = []
     for (H, Hq, D), policy, R in (

@@ -2,9 +2,9 @@
 
 One request with ``--context`` tokens already packed (4-bit pages, SmolLM2-135M's shape: 9 query /
 3 KV heads of 64, 128-token blocks) and a chunk of ``--chunks`` new tokens: through the fused
-kernel (``PagedAttention(fmt, "cpp")`` of ``kvtier.vllm.attention``, pages read in place) and through
-``kvtier.vllm.prefill.VllmPrefill`` (pages decoded to fp32, vLLM's fp32 CPU kernel). This is what
-``kvtier.vllm.attention.KERNEL_MAX_CHUNK`` is set from. Best of ``--rounds`` rounds, alternating. vLLM venv:
+kernel (``PagedAttention(fmt, "cpp")`` of ``kvtier.vllm.pages.attention``, pages read in place) and through
+``kvtier.vllm.pages.prefill.VllmPrefill`` (pages decoded to fp32, vLLM's fp32 CPU kernel). This is what
+``kvtier.vllm.pages.attention.KERNEL_MAX_CHUNK`` is set from. Best of ``--rounds`` rounds, alternating. vLLM venv:
 
     python benchmarks/vllm_chunk_path.py --threads 2 --chunks 17,32,48,64
 
@@ -25,10 +25,10 @@ H, HQ, D, T = 3, 9, 64, 128
 
 def case(chunk: int, context: int, rounds: int, iters: int = 50) -> dict:
     from kvtier.codecs.pages import PageFormat
-    from kvtier.vllm.attention import PagedAttention
-    from kvtier.vllm.paged import SideBuffer, plan_step
-    from kvtier.vllm.pages import PagePolicy
-    from kvtier.vllm.prefill import VllmPrefill
+    from kvtier.vllm.pages.attention import PagedAttention
+    from kvtier.vllm.pages.paged import SideBuffer, plan_step
+    from kvtier.vllm.pages.policy import PagePolicy
+    from kvtier.vllm.pages.prefill import VllmPrefill
 
     torch.manual_seed(0)
     fmt = PageFormat(PagePolicy(block_size=T), H, D, torch.bfloat16)

@@ -36,9 +36,9 @@ def case(reqs: int, length: int, iters: int, rounds: int, levels: tuple[float, .
 
     from kvtier.codecs.pages import PageFormat
     from kvtier.quant.rotation import rotation
-    from kvtier.vllm.attention import PagedAttention
-    from kvtier.vllm.paged import SideBuffer, plan_step
-    from kvtier.vllm.pages import PagePolicy, get_page_policy
+    from kvtier.vllm.pages.attention import PagedAttention
+    from kvtier.vllm.pages.paged import SideBuffer, plan_step
+    from kvtier.vllm.pages.policy import PagePolicy, get_page_policy
 
     torch.manual_seed(0)
     fmt = PageFormat(PagePolicy(block_size=T), H, D, torch.bfloat16)

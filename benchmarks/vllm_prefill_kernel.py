@@ -45,8 +45,8 @@ def case(chunk: int, context: int, rounds: int) -> dict:
     refs = {}
     if context and context % T == 0:  # the context from packed pages, read in place / decoded
         from kvtier.codecs.pages import PageFormat
-        from kvtier.vllm.attention import PagedAttention
-        from kvtier.vllm.pages import PagePolicy
+        from kvtier.vllm.pages.attention import PagedAttention
+        from kvtier.vllm.pages.policy import PagePolicy
 
         fmt = PageFormat(PagePolicy(block_size=T), H, D, torch.bfloat16)
         decode_rows = PagedAttention(fmt, "cpp").decode_rows

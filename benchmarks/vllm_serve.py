@@ -5,7 +5,7 @@ GiB of KV), built one after another in this process:
 
 - ``vllm``: vLLM's own backend, bf16 pages; ``fp8``: ``kv_cache_dtype="fp8"``;
 - ``exact``, ``default``, ``sinks``, ...: kvtier's backend with that page policy
-  (:data:`kvtier.vllm.pages.PAGE_POLICIES`), registered while the engine is built.
+  (:data:`kvtier.vllm.pages.policy.PAGE_POLICIES`), registered while the engine is built.
 
 Parts (``--parts``):
 
@@ -186,8 +186,8 @@ def load(llm, tok, args, name: str, salt: int = 0) -> dict:  # noqa: ANN001
     }
     prefill_cls = None
     if name not in ("vllm", "fp8"):
-        from kvtier.vllm import attention as attention_mod
-        from kvtier.vllm import prefill as prefill_mod
+        from kvtier.vllm.pages import attention as attention_mod
+        from kvtier.vllm.pages import prefill as prefill_mod
 
         prefill_cls, attend_orig, decode_orig = (
             prefill_mod.VllmPrefill,
@@ -226,7 +226,7 @@ def load(llm, tok, args, name: str, salt: int = 0) -> dict:  # noqa: ANN001
     new = sum(len(o.outputs[0].token_ids) for o in outs)
     side = 0
     if name not in ("vllm", "fp8"):
-        from kvtier.vllm.backend import side_buffer_bytes
+        from kvtier.vllm.pages.backend import side_buffer_bytes
 
         side = side_buffer_bytes()
     return {
@@ -246,7 +246,7 @@ def sparse_counts(name: str) -> tuple[int, int]:
     """(tokens valued, tokens scored) so far by kvtier's sparse decode in this process."""
     if name in ("vllm", "fp8"):
         return (0, 0)
-    from kvtier.vllm.backend import sparse_counts as counts
+    from kvtier.vllm.pages.backend import sparse_counts as counts
 
     return counts()
 

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 
 from kvtier.codecs.pages import PageFormat
 from kvtier.kernels import vllm_paged_cpu
-from kvtier.vllm import paged
-from kvtier.vllm.attention import PagedAttention, TritonPages
-from kvtier.vllm.paged import SideBuffer, SideSlotLost, plan_step
-from kvtier.vllm.pages import PAGE_POLICIES, PagePolicy, get_page_policy
+from kvtier.vllm.pages import paged
+from kvtier.vllm.pages.attention import PagedAttention, TritonPages
+from kvtier.vllm.pages.paged import SideBuffer, SideSlotLost, plan_step
+from kvtier.vllm.pages.policy import PAGE_POLICIES, PagePolicy, get_page_policy
 
 H, HQ, D = 3, 9, 64
 
@@ -54,7 +54,7 @@ def test_policy_rejects(kwargs: dict) -> None:
 
 
 def test_policy_name_round_trip() -> None:
-    from kvtier.vllm.pages import parse_policy_name, policy_name
+    from kvtier.vllm.pages.policy import parse_policy_name, policy_name
 
     more = [PagePolicy(sparse_mass=0.9999, local_window=0), PagePolicy(bits=2, value_bits=8, value_rotation=True)]
     for p in [*(v[0] for v in PAGE_POLICIES.values()), *more]:
@@ -373,7 +373,7 @@ def test_lost_slot_raises() -> None:
 
 def test_engine_kwargs() -> None:
     from kvtier.vllm import engine_kwargs
-    from kvtier.vllm.pages import parse_policy_name
+    from kvtier.vllm.pages.policy import parse_policy_name
 
     kw = engine_kwargs("default")
     assert kw["block_size"] == 128 and kw["max_num_seqs"] == 64
@@ -661,8 +661,8 @@ def test_plan_decides_every_request_once() -> None:
     short chunks over packed blocks (up to its thresholds), the torch reference the rest (no prefill
     kernels given); sparse decode only for rows of at most SPARSE_MAX_QUERY new tokens; the torch and
     Triton backends take every request. run and update read only the plan."""
-    from kvtier.vllm.attention import KERNEL_MAX_CHUNK, KERNEL_MAX_QUERY
-    from kvtier.vllm.pages import SPARSE_MAX_QUERY
+    from kvtier.vllm.pages.attention import KERNEL_MAX_CHUNK, KERNEL_MAX_QUERY
+    from kvtier.vllm.pages.policy import SPARSE_MAX_QUERY
 
     T = 32
     fmt = PageFormat(PagePolicy(block_size=T, sparse_mass=0.9), H, D, torch.bfloat16)

@@ -1,5 +1,5 @@
 """Prefill chunks over packed pages through vLLM's own CPU attention or kvtier's bf16 kernel reading
-the pages in place (``kvtier.vllm.prefill``) against kvtier's plain-torch reference
+the pages in place (``kvtier.vllm.pages.prefill``) against kvtier's plain-torch reference
 (``PagedAttention(fmt, "torch")``), step by step without an engine: chunks with packed earlier
 blocks, side rows, a cached block read in part, beside decode requests of the fused kernel; block
 sizes and chunk lengths off block boundaries."""
@@ -13,9 +13,9 @@ import torch  # noqa: E402
 from kvtier.codecs.pages import PageFormat  # noqa: E402
 from kvtier.kernels import prefill_cpu, vllm_paged_cpu  # noqa: E402
 from kvtier.kernels.build import cpu_has_avx512  # noqa: E402
-from kvtier.vllm.attention import PagedAttention  # noqa: E402
-from kvtier.vllm.paged import SideBuffer, plan_step  # noqa: E402
-from kvtier.vllm.pages import PagePolicy  # noqa: E402
+from kvtier.vllm.pages.attention import PagedAttention  # noqa: E402
+from kvtier.vllm.pages.paged import SideBuffer, plan_step  # noqa: E402
+from kvtier.vllm.pages.policy import PagePolicy  # noqa: E402
 
 H, HQ, D = 3, 9, 64
 

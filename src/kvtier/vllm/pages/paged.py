@@ -4,7 +4,7 @@ vLLM hands an attention backend, once per step, the requests of the batch: where
 tokens sit in the flat batch (``query_start_loc``), its length after the step (``seq_lens``) and
 its block table. A request of length ``L`` with ``q`` new tokens has ``c = L - q`` tokens from
 earlier steps; with ``T`` tokens per block its blocks before column ``c // T`` are full and
-packed (:mod:`.pages`), and the block at that column, when ``c % T != 0``, is partly filled: its
+packed (:mod:`kvtier.codecs.pages`), and the block at that column, when ``c % T != 0``, is partly filled: its
 first ``c % T`` tokens are exact in a *side buffer* slot (KIVI's residual). The new tokens are
 attended exact from the step's own K/V. After a layer attends, the blocks that this step fills
 are packed into their pages (once: a page is never rewritten while it is read) and the tokens
@@ -16,7 +16,7 @@ tensors ``[slots, T, 2, H, D]``; :func:`plan_step` turns one step's metadata int
 torch path of one layer is here too: :func:`attend_request` (decode a request's pages, one SDPA call)
 and :func:`update_pages` (pack the blocks a step fills, write the side rows), the oracle every faster
 path is tested against. Which path attends which request is decided by
-:meth:`kvtier.vllm.attention.PagedAttention.plan`, which runs these as its torch backend. With
+:meth:`kvtier.vllm.pages.attention.PagedAttention.plan`, which runs these as its torch backend. With
 ``PagePolicy.sparse_mass``, decode requests read the values of only the packed tokens
 :func:`select_packed` keeps. May import torch, the partials merge of :mod:`kvtier.attention.partials`
 and the page format of :mod:`kvtier.codecs.pages`; never vLLM or the kernels.
@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention.partials import Partial, merge
-from ..codecs.pages import PageFormat
-from ..errors import KVTierError
+from ...attention.partials import Partial, merge
+from ...codecs.pages import PageFormat
+from ...errors import KVTierError
 
 
 class SideSlotLost(KVTierError):

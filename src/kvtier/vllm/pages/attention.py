@@ -21,7 +21,7 @@ Backends, behind one small interface (:class:`PageKernel`: ``index``, ``attend``
   a step in one launch, dense only, packing in torch. No engine path: the vLLM backend runs on the CPU
   platform only; tests run it under Triton's interpreter and ``benchmarks/gpu_check.py`` on a GPU.
 
-Imports torch, :mod:`.paged`, :mod:`.pages`, :mod:`.prefill` (which imports vLLM only when a
+Imports torch, :mod:`.paged`, :mod:`.policy`, :mod:`.prefill` (which imports vLLM only when a
 :class:`~.prefill.VllmPrefill` is made) and (lazily) :mod:`kvtier.kernels`; never vLLM.
 """
 
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..codecs.pages import PageFormat
+from ...codecs.pages import PageFormat
 from .paged import RequestPlan, StepPlan, attend_request, update_pages
-from .pages import SPARSE_MAX_QUERY
+from .policy import SPARSE_MAX_QUERY
 from .prefill import PrefillPlan, VllmPrefill
 
 #: requests with more new tokens than this attend through SDPA (prefill chunks: compute-bound, BLAS
@@ -80,9 +80,13 @@ class PageKernel:
     def index(
         self, fmt: PageFormat, step: StepPlan, requests: list[RequestPlan], sparse_max_query: int, device
     ) -> dict:  # noqa: ANN001
+        """The index of one step: ``requests`` are those this kernel attends (chosen by
+        :meth:`PagedAttention.plan`), ``sparse_max_query`` the new tokens up to which a request decodes
+        sparsely under ``PagePolicy.sparse_mass``, ``device`` that of the index tensors (``None``: CPU)."""
         raise NotImplementedError
 
     def attend(self, fmt: PageFormat, index: dict, pages, side, query, key, value, scale, out, counts) -> None:  # noqa: ANN001
+        """Write the rows of the indexed requests into ``out`` (arguments as :meth:`PagedAttention.run`)."""
         raise NotImplementedError
 
     def update(self, fmt: PageFormat, step: StepPlan, index: dict, pages, side, key, value) -> None:  # noqa: ANN001
@@ -139,7 +143,7 @@ class CppPages(PageKernel):
 
     @torch.no_grad()
     def attend(self, fmt, index, pages, side, query, key, value, scale, out, counts) -> None:  # noqa: ANN001
-        from ..kernels import vllm_paged_cpu
+        from ...kernels import vllm_paged_cpu
 
         if index["reqs"].shape[0]:
             vllm_paged_cpu.attend(
@@ -149,14 +153,14 @@ class CppPages(PageKernel):
 
     @torch.no_grad()
     def update(self, fmt, step, index, pages, side, key, value) -> None:  # noqa: ANN001
-        from ..kernels import vllm_paged_cpu
+        from ...kernels import vllm_paged_cpu
 
         if index["enc"].shape[0] or index["writes"].shape[0]:
             vllm_paged_cpu.update(pages, side, key, value, index["enc"], index["writes"], fmt.layout())
 
     def decode(self, fmt: PageFormat, pages: torch.Tensor, ids: list[int], dtype: torch.dtype):  # noqa: ANN201
         """:meth:`PageKernel.decode` in C++ (``dtype``: the model dtype or fp32; the same values)."""
-        from ..kernels import vllm_paged_cpu
+        from ...kernels import vllm_paged_cpu
 
         n, T, H, D = len(ids), fmt.tokens, fmt.heads, fmt.head_dim
         k, v = torch.empty(n * T, H, D, dtype=dtype), torch.empty(n * T, H, D, dtype=dtype)
@@ -187,7 +191,7 @@ class TritonPages(PageKernel):
 
     @torch.no_grad()
     def attend(self, fmt, index, pages, side, query, key, value, scale, out, counts) -> None:  # noqa: ANN001
-        from ..kernels import triton_pages
+        from ...kernels import triton_pages
 
         triton_pages.attend(
             query, key, value, side, pages, index["reqs"], index["pstart"], index["pids"], out, scale, fmt.layout(),
@@ -201,7 +205,7 @@ KERNELS: dict[str, type[PageKernel]] = {"torch": TorchPages, "cpp": CppPages, "t
 def choose_kernel(fmt: PageFormat) -> PageKernel:
     """The engine's kernel for ``fmt``'s pages: the C++ kernels where they read these codes and are
     built, else the torch reference (the one place availability is read on the vLLM side)."""
-    from ..kernels import vllm_paged_cpu
+    from ...kernels import vllm_paged_cpu
 
     return CppPages() if fmt.policy.kernel_codes and vllm_paged_cpu.available() else TorchPages()
 
@@ -262,7 +266,7 @@ class PagedAttention:
         #: blocks reading the pages in place (decided once per engine; vLLM's kernel otherwise)
         self.prefill_bf16 = self.prefill_paged = False
         if prefill is not None and bf16_prefill:
-            from ..kernels import prefill_cpu
+            from ...kernels import prefill_cpu
 
             self.prefill_bf16 = fmt.dtype == torch.bfloat16 and fmt.head_dim in (64, 128) and prefill_cpu.available()
             self.prefill_paged = self.prefill_bf16 and prefill_cpu.paged_supported(fmt.layout())

@@ -2,7 +2,7 @@
 
 vLLM's CPU platform always picks ``CPU_ATTN`` for a non-MLA model, so kvtier's backend is
 registered *over* ``CPU_ATTN`` (:func:`kvtier.vllm.engine.attention_backend`, only while an engine
-is built). The backend class is made per :class:`~kvtier.vllm.pages.PagePolicy`
+is built). The backend class is made per :class:`~kvtier.vllm.pages.policy.PagePolicy`
 (:func:`backend_class`) and named after it, so vLLM's registry, which holds class paths, resolves
 the same policy in any process (module ``__getattr__`` rebuilds it from the name).
 
@@ -10,9 +10,9 @@ the same policy in any process (module ``__getattr__`` rebuilds it from the name
 - packed: ``customize_spec`` gives vLLM the packed page bytes (``state_content_bytes``: bytes per
   head and token), so ``VLLM_CPU_KVCACHE_SPACE`` holds ``exact / packed`` times the blocks. The
   metadata builder makes every path choice of a step, once: the side buffer's bookkeeping
-  (:func:`kvtier.vllm.paged.plan_step`) and which kernel attends each request
-  (:meth:`kvtier.vllm.attention.PagedAttention.plan`, of the engine's
-  :meth:`~kvtier.vllm.attention.PagedAttention.for_engine`: the C++ kernels and the prefill kernels
+  (:func:`kvtier.vllm.pages.paged.plan_step`) and which kernel attends each request
+  (:meth:`kvtier.vllm.pages.attention.PagedAttention.plan`, of the engine's
+  :meth:`~kvtier.vllm.pages.attention.PagedAttention.for_engine`: the C++ kernels and the prefill kernels
   where they are built, else the torch reference). The impl's ``forward`` only runs that plan on each
   layer (``run``, then ``update``). With ``PagePolicy.value_rotation`` the impl rotates each step's
   values before they are attended and stored, and rotates the output back after: every other part
@@ -33,11 +33,11 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder, A
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from ..codecs.pages import PageFormat
-from ..quant.rotation import rotation
+from ...codecs.pages import PageFormat
+from ...quant.rotation import rotation
 from .attention import PagedAttention, PagedPlan
 from .paged import SideBuffer, plan_step
-from .pages import _PREFIX, CONFIG_KEY, SELECT, PagePolicy, get_page_policy, parse_policy_name, policy_name
+from .policy import _PREFIX, CONFIG_KEY, SELECT, PagePolicy, get_page_policy, parse_policy_name, policy_name
 
 _SIDES: weakref.WeakSet[SideBuffer] = weakref.WeakSet()
 _IMPLS: weakref.WeakSet = weakref.WeakSet()
@@ -264,8 +264,8 @@ def selected_backend() -> type:
 
 
 def __getattr__(name: str):  # noqa: ANN202
-    """Resolve a backend class path (``kvtier.vllm.backend.<policy_name>``, or the per-engine
-    selector ``kvtier.vllm.backend.KVTierSelect``) in any process."""
+    """Resolve a backend class path (``kvtier.vllm.pages.backend.<policy_name>``, or the per-engine
+    selector ``kvtier.vllm.pages.backend.KVTierSelect``) in any process."""
     if name == SELECT:
         return selected_backend()
     if name.startswith(_PREFIX):

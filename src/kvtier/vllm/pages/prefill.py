@@ -1,7 +1,7 @@
 """Prefill chunks over packed pages: kvtier's bf16 kernel or vLLM's own CPU attention kernels.
 
 A request of a step that the C++ kernel does not take (a prefill chunk: decided by
-:meth:`kvtier.vllm.attention.PagedAttention.plan`) is compute-bound: its new tokens attend everything
+:meth:`kvtier.vllm.pages.attention.PagedAttention.plan`) is compute-bound: its new tokens attend everything
 before them and each other, causal. :class:`VllmPrefill` runs such a request through the kernel the
 plan chose for it:
 
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codecs.pages import PageFormat
-from ..kernels import prefill_cpu
+from ...codecs.pages import PageFormat
+from ...kernels import prefill_cpu
 from .paged import RequestPlan
 
 
@@ -77,7 +77,7 @@ class VllmPrefill:
 
     def plan(self, req: RequestPlan, kernel: str) -> PrefillPlan:
         """The :class:`PrefillPlan` of request ``req`` through ``kernel`` (chosen by
-        :meth:`kvtier.vllm.attention.PagedAttention.plan`): ``"kvtier_paged"`` (kvtier's bf16 kernel
+        :meth:`kvtier.vllm.pages.attention.PagedAttention.plan`): ``"kvtier_paged"`` (kvtier's bf16 kernel
         reading the packed pages in place), ``"kvtier"`` (kvtier's bf16 kernel over exact keys and
         values) or ``"vllm"`` (vLLM's kernel; over packed blocks decoded to fp32)."""
         c = len(req.packed) * self.T + req.head_rows + req.side_rows

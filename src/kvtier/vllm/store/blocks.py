@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codecs import KBitCodec
-from ..errors import KVTierError
-from ..quant import pack_words, rotation, unpack_words
-from ..quant.groups import fit_scale_zero
+from ...codecs import KBitCodec
+from ...errors import KVTierError
+from ...quant import pack_words, rotation, unpack_words
+from ...quant.groups import fit_scale_zero
 
 MAGIC = b"KVTB"
 VERSION = 1
