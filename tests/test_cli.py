@@ -218,3 +218,28 @@ def test_demo_runs_on_the_shipped_book(demo_output):
     out = demo_output
     assert "from 'dracula'" in out
     assert [r["cache"] for r in json.loads(out.strip().splitlines()[-1])["rows"]] == ["dynamic", "default"]
+
+
+def _parsers(parser):  # noqa: ANN001, ANN202
+    """Every parser under ``parser`` (itself, its commands, their subcommands), with its path."""
+    import argparse
+
+    todo = [((), parser)]
+    while todo:
+        path, p = todo.pop()
+        yield path, p
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo += [((*path, name), sub) for name, sub in action.choices.items()]
+
+
+def test_every_command_prints_its_help():
+    """``kvtier <command> [<sub>] --help`` formats for every command (a bare % in a help text
+    made ``kvtier eval --help`` end in argparse's ValueError traceback)."""
+    from kvtier.cli import build_parser
+
+    seen = 0
+    for path, p in _parsers(build_parser()):
+        assert p.format_help(), path
+        seen += 1
+    assert seen > 10

@@ -162,7 +162,7 @@ LAYERS = [
     ["kvtier.attention"],  # incl. attention over offloaded blocks
     ["kvtier.sizing", "kvtier.diagnostics"],
     ["kvtier.hf", "kvtier.vllm", "kvtier.adapters", "kvtier"],  # the adapters and the names forwarded to hf
-    ["kvtier.eval", "kvtier.cli", "kvtier.doctor", "kvtier.models"],
+    ["kvtier.eval", "kvtier.cli", "kvtier.doctor", "kvtier.models", "kvtier.vllm.serve"],  # commands
 ]
 
 
@@ -278,3 +278,54 @@ def test_adapter_names_still_resolve_with_transformers(name):
 
     hf = pytest.importorskip("kvtier.hf", reason="needs the transformers adapter (kvtier[hf])", exc_type=ImportError)
     assert getattr(kvtier, name) is getattr(hf, name)
+
+
+def _kernel_chains(policy: str) -> list[list[str]]:
+    """The kvtier modules on the stack (outermost first, consecutive repeats folded) each time a
+    decode step's ``kvtier_attention`` calls into a kernel module (``kvtier.kernels.*``, the
+    builder aside), on a tiny Qwen2 with every tier filled (the step after a warm-up step)."""
+    import torch
+
+    import kvtier
+    from kvtier.testing import feed, random_ids, tiny_qwen2
+
+    chains: list[list[str]] = []
+
+    def profile(frame, event, arg):  # noqa: ANN001, ANN202
+        name = frame.f_globals.get("__name__", "")
+        if event != "call" or not name.startswith("kvtier.kernels.") or name == "kvtier.kernels.build":
+            return
+        chain, f = [], frame
+        while f is not None:
+            mod = f.f_globals.get("__name__", "")
+            if mod.startswith("kvtier") and (not chain or chain[-1] != mod):
+                chain.append(mod)
+            if mod == "kvtier.attention.interface" and f.f_code.co_name == "kvtier_attention":
+                chains.append(chain[::-1])
+                return
+            f = f.f_back
+
+    model = tiny_qwen2()
+    with kvtier.enable(model), kvtier.TieredCache(model.config, policy) as cache, torch.no_grad():
+        feed(model, cache, random_ids(1100), chunk=64)
+        model(random_ids(1, seed=4), cache=cache, use_cache=True)  # warm-up: kernels loaded
+        sys.setprofile(profile)
+        try:
+            model(random_ids(1, seed=5), cache=cache, use_cache=True)
+        finally:
+            sys.setprofile(None)
+    return chains
+
+
+@pytest.mark.parametrize("policy", ["default", "offload-cpu", "adaptive"])
+def test_a_query_reaches_a_kernel_through_at_most_8_modules(policy):
+    """Issue 35's bound on a query's path: from ``kvtier_attention`` to the kernel that attends,
+    at most 8 modules (a decode step through the fused C++ path where it is built)."""
+    from kvtier.kernels import fused_cpu
+
+    if not fused_cpu.available():
+        pytest.skip("the fused C++ kernel is not built here")
+    chains = _kernel_chains(policy)
+    assert chains, "no call reached a kernel module"
+    longest = max(chains, key=lambda c: len(set(c)))
+    assert len(set(longest)) <= 8, " > ".join(longest)

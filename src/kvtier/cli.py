@@ -538,7 +538,7 @@ def _add_eval(sub: Any) -> None:
     for task, helptext in (
         ("ppl", "streamed perplexity (chunks <= 64, NLL over the last half)"),
         ("fidelity", "KL(full || cache) and top-1 agreement per token"),
-        ("recall", "a fact (a number in prose, a definition in code) planted at depths 0-100%, asked at the end"),
+        ("recall", "a fact (a number in prose, a definition in code) planted at depths 0-100 %%, asked at the end"),
     ):
         t = esub.add_parser(task, help=helptext)
         _common(t, "1k,2k,4k" if task == "recall" else "2k,4k,8k")
@@ -598,11 +598,44 @@ def _add_report_and_models(sub: Any) -> None:
     m.set_defaults(fn=cmd_models)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .vllm.serve import plan_serve, run
+
+    plan = plan_serve(
+        args.model,
+        pages=args.pages,
+        store=args.store,
+        cpu_bytes=args.cpu_bytes,
+        disk=args.disk,
+        disk_bytes=args.disk_bytes,
+        vllm_args=args.vllm_args,
+    )
+    return run(plan, dry_run=args.dry_run)
+
+
+def _add_serve(sub: Any) -> None:
+    """``kvtier serve MODEL [kvtier flags] [vLLM flags...]``."""
+    s = sub.add_parser(
+        "serve",
+        help="vLLM's OpenAI server with kvtier's packed pages or prefix store (needs vLLM)",
+        description="Start vLLM's OpenAI server with kvtier set up: the flags and environment this platform "
+        "needs, the C++ kernels built first. Flags kvtier does not know go to vLLM (after MODEL).",
+    )
+    s.add_argument("model", help="built-in name (smollm2-135m, qwen2.5-coder-1.5b) or a model folder")
+    s.add_argument("--pages", metavar="POLICY", help="packed KV pages of this page policy (default: 'default')")
+    s.add_argument("--store", metavar="POLICY", help="the compressed prefix store of this policy instead")
+    s.add_argument("--cpu-bytes", type=_bytes, help="the store's RAM budget, e.g. 8G (default 4G)")
+    s.add_argument("--disk", metavar="DIR", help="the store's block files (kept across restarts)")
+    s.add_argument("--disk-bytes", type=_bytes, help="budget of the block files, e.g. 64G")
+    s.add_argument("--dry-run", action="store_true", help="print the command and environment; start nothing")
+    s.set_defaults(fn=cmd_serve, vllm_args=[])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV cache for transformers")
     parser.add_argument("--traceback", action="store_true", help="show the full traceback when a command fails")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_plan, _add_demo, _add_eval, _add_bench, _add_report_and_models):
+    for add in (_add_plan, _add_demo, _add_eval, _add_bench, _add_report_and_models, _add_serve):
         add(sub)
     from .doctor import add_parser as add_doctor
 
@@ -617,7 +650,12 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, RuntimeErro
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; exit status 0, or 2 with one line on stderr when its inputs are wrong."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest:  # only ``serve`` passes flags on (to vLLM)
+        if args.command != "serve":
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.vllm_args = rest
     try:
         return int(args.fn(args) or 0)
     except USER_ERRORS as err:

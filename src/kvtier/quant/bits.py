@@ -109,19 +109,24 @@ def _empty(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     return torch.empty(shape, dtype=dtype)
 
 
-def pack_words(codes: torch.Tensor, bits: int, buffer=_empty) -> torch.Tensor:  # noqa: ANN001
+def pack_words(codes: torch.Tensor, bits: int, buffer=_empty, out: torch.Tensor | None = None) -> torch.Tensor:  # noqa: ANN001
     """:func:`pack_bits` (planes of 4/2/1 bits, each packed densely along the last axis, low
     bits first) on int64 words: each word holds 8 codes, and three shift-or-mask halvings gather
     their ``w``-bit fields into its low ``w`` bytes (little-endian, so byte order is code order).
     The same bytes (``tests/vllm/test_vllm_store.py``), in a few in-place passes over the codes.
-    ``buffer(name, shape, dtype)`` gives the two int64 scratch tensors; the result is new. Off the
-    CPU (scratch and result are CPU tensors here) it is :func:`pack_bits` itself."""
+    ``buffer(name, shape, dtype)`` gives the two int64 scratch tensors; the result is ``out``
+    (uint8 ``[..., packed_size(n, bits)]``, written in place) or new. Off the CPU (scratch and
+    result are CPU tensors here) it is :func:`pack_bits` itself."""
     if bits == 8 or codes.shape[-1] % 8 or codes.device.type != "cpu":
-        return pack_bits(codes, bits)
+        packed = pack_bits(codes, bits)
+        return packed if out is None else out.copy_(packed)
     lead, n = codes.shape[:-1], codes.shape[-1]
     words = codes.contiguous().view(torch.int64)  # [..., n // 8]; codes < 2**7: non-negative
     x, t = buffer("pack_x", words.shape, torch.int64), buffer("pack_t", words.shape, torch.int64)
-    out = torch.empty(*lead, n * bits // 8, dtype=torch.uint8)
+    if out is None:
+        out = torch.empty(*lead, n * bits // 8, dtype=torch.uint8)
+    elif out.shape != (*lead, n * bits // 8) or out.dtype != torch.uint8:
+        raise ValueError(f"out is {out.dtype} {tuple(out.shape)}: expected uint8 {(*lead, n * bits // 8)}")
     start, offset = 0, 0
     for w in planes(bits):
         torch.bitwise_and(words, _byte_mask((1 << w) - 1, 8) << offset, out=x)

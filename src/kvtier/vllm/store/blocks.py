@@ -26,8 +26,7 @@ import torch
 
 from ...codecs import KBitCodec
 from ...errors import KVTierError
-from ...quant import pack_words, rotation, unpack_words
-from ...quant.groups import fit_scale_zero
+from ...quant import rotation, unpack_words
 
 MAGIC = b"KVTB"
 VERSION = 1
@@ -72,11 +71,6 @@ class BlockFormat:
     def exact_bytes(self) -> int:
         """Bytes of the block in the model dtype (what vLLM holds for it)."""
         return self.layers * self.heads * 2 * self.tokens * self.head_dim * self.dtype.itemsize
-
-
-def _fit(mn: torch.Tensor, mx: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp16 ``(scale, zero)`` of ``kvtier.quant.quantize_kbit`` from the group minima and maxima."""
-    return fit_scale_zero(mn, mx, bits)
 
 
 class BlockCodec:
@@ -156,71 +150,55 @@ class BlockCodec:
         sink = min(sink, f.tokens)
         if bits is None or sink >= f.tokens:
             bits, rotate, sink, kg = None, False, 0, f.tokens
-            parts = [kv.contiguous().view(torch.uint8).reshape(-1)]
         else:
-            L, H, _, T, D = f.shape
             kg = self.key_group(key_group)
-            fields = self._encode_fields(kv, bits, rotate, kg, sink)
-            parts = [fields[n].contiguous().view(torch.uint8).reshape(-1) for n, *_ in self._layout(bits, rotate, kg)]
+        record = torch.empty(self.record_bytes(bits, rotate, sink, kg), dtype=torch.uint8)
+        payload = record[HEADER_BYTES:]
+        if bits is None:
+            payload.view(f.dtype).view(f.shape).copy_(kv)
+        else:  # the fields are written in place, as views of the payload
+            L, H, _, _, D = f.shape
+            off = self.sink_bytes(sink)
             if sink:
-                parts.insert(0, kv[:, :, :, :sink].contiguous().view(torch.uint8).reshape(-1))
-        payload = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+                payload[:off].view(f.dtype).view(L, H, 2, sink, D).copy_(kv[:, :, :, :sink])
+            out = {}
+            for name, dtype, shape, n in self._layout(bits, rotate, kg):
+                out[name] = payload[off : off + n].view(dtype).view(shape)
+                off += n
+            self._encode_fields(kv, bits, rotate, kg, sink, out)
         header = _HEADER.pack(
             MAGIC, VERSION, bits or 0, int(rotate), _DTYPE_CODES[f.dtype], sink,
             f.layers, f.heads, f.tokens, f.head_dim, self.value_group, kg,
             payload.numel(), zlib.crc32(payload.numpy()),
         )  # fmt: skip
-        head = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-        head[: _HEADER.size] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        return torch.cat([head, payload])
+        record[:HEADER_BYTES].zero_()
+        record[: _HEADER.size] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        return record
 
     def _encode_all_valid(self, kv: torch.Tensor, bits: int, rotate: bool, kg: int) -> dict[str, torch.Tensor]:
         """:meth:`_encode_fields` of a block whose tokens are all valid (no sink)."""
         return self._encode_fields(kv, bits, rotate, kg, 0)
 
-    def _encode_fields(self, kv: torch.Tensor, bits: int, rotate: bool, kg: int, sink: int) -> dict[str, torch.Tensor]:
-        """``KBitCodec.encode`` of the block (the first ``sink`` tokens left out of the statistics), the
-        same fields byte for byte (``tests/vllm/test_vllm_store.py``), in one fp32 buffer for keys and
-        values of all layers: one conversion, one rotation matmul, min and max per group, the
-        quantization in place, one pack."""
+    def _encode_fields(
+        self,
+        kv: torch.Tensor,
+        bits: int,
+        rotate: bool,
+        kg: int,
+        sink: int,
+        out: dict[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """``KBitCodec.encode`` of the block (the first ``sink`` tokens left out of the statistics) by
+        :meth:`KBitCodec.encode_into` (the same fields byte for byte, ``tests/vllm/test_vllm_store.py``)
+        into ``out`` (the fields of :meth:`_layout`; default new tensors), with this codec's per-thread
+        scratch buffers."""
         L, H, _, T, D = kv.shape
-        G, n = self.value_group, T // kg
-        x = self._buffer("x", (2, L, H, T, D)).copy_(kv.permute(2, 0, 1, 3, 4))
-        if rotate:
-            y = self._buffer("y", (2, L, H, T, D))
-            x = torch.mm(x.view(-1, D), rotation(D, kv.device), out=y.view(-1, D)).view(2, L, H, T, D)
-        xk, xv = x[0].view(L, H, n, kg, D), x[1].view(L, H, n, kg, D // G, G)
-        # amin and amax, not aminmax: 20x faster reductions on the CPU
-        kmn, kmx = xk.amin(3, keepdim=True), xk.amax(3, keepdim=True)
-        vmn, vmx = xv.amin(5, keepdim=True), xv.amax(5, keepdim=True)
-        for j in range(min(n, -(-sink // kg))):  # key groups holding sink tokens: statistics of the rest
-            lo = sink - j * kg
-            if lo >= kg:
-                kmn[:, :, j], kmx[:, :, j] = float("inf"), float("-inf")
-            else:
-                rest = xk[:, :, j, lo:]
-                kmn[:, :, j], kmx[:, :, j] = rest.amin(2, keepdim=True), rest.amax(2, keepdim=True)
-        if sink:
-            vmn.view(L, H, T, D // G)[:, :, :sink] = float("inf")
-            vmx.view(L, H, T, D // G)[:, :, :sink] = float("-inf")
-        ks, kz = _fit(kmn, kmx, bits)
-        vs, vz = _fit(vmn, vmx, bits)
-        xk.div_(ks.float()).add_(kz.float())
-        xv.div_(vs.float()).add_(vz.float())
-        # round(x).clamp(0, qmax) as uint8, without the slow float -> uint8 cast: clamped first (the
-        # same codes), then + 2**23 rounds to the nearest integer, ties to even (as torch.round), and
-        # leaves it in the low byte of the float's bits; the int32 -> uint8 cast keeps that byte.
-        x.clamp_(0, (1 << bits) - 1).add_(2.0**23)
-        q = self._buffer("q", x.shape, torch.uint8).copy_(x.view(torch.int32))
-        codes = pack_words(q, bits, self._buffer)
-        return {
-            "k_codes": codes[0].view(L, H, n, kg, -1),
-            "k_scale": ks,
-            "k_zero": kz,
-            "v_codes": codes[1].view(L, H, n, kg, -1),
-            "v_scale": vs.squeeze(-1),
-            "v_zero": vz.squeeze(-1),
-        }
+        n = T // kg
+        if out is None:
+            out = {name: torch.empty(shape, dtype=dtype) for name, dtype, shape, _ in self._layout(bits, rotate, kg)}
+        valid = (torch.arange(T) >= sink).view(1, 1, n, kg).expand(L, 1, n, kg) if sink else None
+        k, v = (kv[:, :, i].view(L, H, n, kg, D) for i in (0, 1))
+        return self._codec(bits, rotate).encode_into(k, v, valid, out, self._buffer)
 
     def info(self, record: torch.Tensor) -> tuple[int | None, bool, int, int]:
         """``(bits, rotate, sink, key_group)`` of a record, after checking its header against this format

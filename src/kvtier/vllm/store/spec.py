@@ -71,6 +71,23 @@ from .prefix import PrefixStore
 
 logger = logging.getLogger(__name__)
 
+
+def _log_through_vllm() -> None:
+    """kvtier's records print through vLLM's handler in this process, at vLLM's level.
+
+    vLLM configures only its own ``vllm`` logger; kvtier's INFO records (the store's startup line)
+    were dropped in a served engine and its warnings printed without vLLM's prefix. Nothing changes
+    where the application gave ``kvtier`` a handler of its own, or where vLLM has none.
+    """
+    ours, theirs = logging.getLogger("kvtier"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = theirs.propagate
+
+
 _LOOKUP = {"hit": LookupResult.HIT, "pending": LookupResult.HIT_PENDING, "miss": LookupResult.MISS}
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -386,6 +403,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 f"{config.parallel.world_size}"
             )
         _require_one_process()
+        _log_through_vllm()
         self._manager: KVTierManager | None = None
         self._worker: KVTierWorker | None = None
 

@@ -1,0 +1,91 @@
+"""``kvtier serve``'s plan (argv, environment, kernels) and its refusals; no vLLM needed (the real
+server is started by tests/vllm/test_vllm_serve.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtier.cli import main
+from kvtier.vllm.serve import SERVER_MODULE, plan_serve
+
+
+def _flag(argv, name: str) -> str:  # noqa: ANN001
+    return argv[argv.index(name) + 1]
+
+
+def test_pages_is_the_default_and_flags_go_on_to_vllm(tmp_path):
+    plan = plan_serve(str(tmp_path), vllm_args=["--port", "8123", "--max-model-len", "4096"], environ={})
+    argv = list(plan.argv)
+    assert argv[1:3] == ["-m", SERVER_MODULE]
+    assert _flag(argv, "--model") == str(tmp_path)
+    assert json.loads(_flag(argv, "--additional-config"))["kvtier_attention"].startswith("KVTierAttention_b4")
+    assert _flag(argv, "--block-size") == "128"
+    assert argv[-4:] == ["--port", "8123", "--max-model-len", "4096"]  # after kvtier's own
+    assert "--enforce-eager" in argv
+    env = dict(plan.env)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and "VLLM_CPU_KVCACHE_SPACE" in env
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # packed pages work under multiprocessing
+    assert plan.kernels == ("vllm_paged_cpu", "prefill_cpu")
+
+
+def test_store_runs_the_engine_core_in_one_process(tmp_path):
+    plan = plan_serve("some/model", store="chat", cpu_bytes=1 << 30, disk=str(tmp_path), disk_bytes=2 << 30, environ={})
+    extra = json.loads(_flag(list(plan.argv), "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert (extra["kvtier_policy"], extra["kvtier_cpu_bytes"]) == ("chat", 1 << 30)
+    assert (extra["kvtier_disk_path"], extra["kvtier_disk_bytes"]) == (str(tmp_path), 2 << 30)
+    assert dict(plan.env)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "--additional-config" not in plan.argv
+
+
+def test_the_users_environment_wins(tmp_path):
+    plan = plan_serve(str(tmp_path), environ={"VLLM_CPU_KVCACHE_SPACE": "40"})
+    assert "VLLM_CPU_KVCACHE_SPACE" not in dict(plan.env)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"pages": "default", "store": "default"}, "pick one"),
+        ({"disk": "/tmp/x"}, "add --store"),
+        ({"vllm_args": ["--block-size=16"]}, "--block-size is set by kvtier serve"),
+        ({"store": "default", "vllm_args": ["--kv_transfer_config", "{}"]}, "--kv-transfer-config is set"),
+        ({"store": "default", "environ": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}}, "VLLM_ENABLE_V1_MULTIPROCESSING=0"),
+        ({"pages": "no-such-policy"}, "no-such-policy"),
+        ({"store": "no-such-policy"}, "no-such-policy"),
+    ],
+)
+def test_conflicts_are_one_line_before_anything_starts(tmp_path, kwargs, message):
+    kwargs.setdefault("environ", {})
+    with pytest.raises((ValueError, KeyError), match=message):
+        plan_serve(str(tmp_path), **kwargs)
+
+
+def test_cli_dry_run_prints_the_command(tmp_path, capsys):
+    assert main(["serve", str(tmp_path), "--store", "default", "--cpu-bytes", "1G", "--dry-run", "--port", "9"]) == 0
+    err = capsys.readouterr().err
+    assert "prefix store (default)" in err and SERVER_MODULE in err and err.rstrip().endswith("--port 9")
+
+
+def test_cli_refuses_in_one_line(tmp_path, capsys):
+    assert main(["serve", str(tmp_path), "--pages", "default", "--store", "default"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvtier serve: ") and "\n" not in err
+
+
+def test_other_commands_still_refuse_unknown_flags():
+    with pytest.raises(SystemExit) as exc:
+        main(["models", "list", "--bogus"])
+    assert exc.value.code == 2
+
+
+def test_a_built_in_model_is_served_under_its_name(monkeypatch):
+    import kvtier.models
+
+    monkeypatch.setattr(kvtier.models, "model_dir", lambda name: f"/cache/{name}-converted")
+    argv = list(plan_serve("smollm2-135m", environ={}).argv)
+    assert _flag(argv, "--model") == "/cache/smollm2-135m-converted"
+    assert _flag(argv, "--served-model-name") == "smollm2-135m"
+    argv = list(plan_serve("smollm2-135m", environ={}, vllm_args=["--served-model-name", "x"]).argv)
+    assert argv.count("--served-model-name") == 1
