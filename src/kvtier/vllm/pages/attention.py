@@ -6,7 +6,7 @@
 request (the backend's kernel, a prefill kernel of :mod:`.prefill`, or the torch reference), which
 prefill kernel, sparse decode or dense, and the index tensors of each. :meth:`~PagedAttention.run`
 and :meth:`~PagedAttention.update` only read that plan. The thresholds (:data:`KERNEL_MAX_QUERY`,
-:data:`KERNEL_MAX_CHUNK`, :data:`~.pages.SPARSE_MAX_QUERY`) and the kernels' availability are read
+:data:`KERNEL_MAX_CHUNK`, :data:`~.policy.SPARSE_MAX_QUERY`) and the kernels' availability are read
 here and nowhere else on the vLLM side.
 
 Backends, behind one small interface (:class:`PageKernel`: ``index``, ``attend``, ``update``, ``decode``):
@@ -171,7 +171,7 @@ class CppPages(PageKernel):
 @dataclass
 class TritonPages(PageKernel):
     """kvtier's Triton kernel (:mod:`kvtier.kernels.triton_pages`): every request of a step, decode rows
-    and prefill chunks, pages of any :data:`~.pages.PAGE_BITS` codes, in one launch (plus a merge);
+    and prefill chunks, pages of any :data:`~.policy.PAGE_BITS` codes, in one launch (plus a merge);
     CUDA tensors (CPU ones under Triton's interpreter); dense only. Packs in torch. No engine path (the
     vLLM backend runs on the CPU platform). ``num_splits``: splits per (request, head, row tile)
     (``None``: picked from the device)."""
