@@ -527,7 +527,7 @@ def page_step(fmt, T: int, lengths: list[int], news: list[int], device, seed: in
     Returns ``(plan, pages, side, new tokens)``; tensors on ``device``."""
     import torch
 
-    from kvtier.vllm.paged import SideBuffer, plan_step
+    from kvtier.vllm.pages.paged import SideBuffer, plan_step
 
     g = torch.Generator().manual_seed(seed)
     H, D, dt = fmt.heads, fmt.head_dim, fmt.dtype
@@ -564,8 +564,8 @@ def run_vllm_pages(sz: Sizes, device, timer: Timer) -> list[dict]:
     import torch.nn.functional as F
 
     from kvtier.codecs.pages import PageFormat
-    from kvtier.vllm.paged import attend_layer, attend_layer_triton
-    from kvtier.vllm.pages import PagePolicy
+    from kvtier.vllm.pages.attention import PagedAttention
+    from kvtier.vllm.pages.policy import PagePolicy
 
     T, C, R = sz.page_block, sz.page_context, sz.page_reqs
     policies = {
@@ -577,14 +577,16 @@ def run_vllm_pages(sz: Sizes, device, timer: Timer) -> list[dict]:
     for H, Hq, D in sz.page_shapes:
         for name, policy in policies.items():
             fmt = PageFormat(policy, H, D, torch.bfloat16)
+            triton, reference = PagedAttention(fmt, "triton"), PagedAttention(fmt, "torch")
             # correctness: decode rows, a prefill chunk, lengths off block boundaries, a short request
             lengths = [C + 3, C // 2 + T - 1, 5, 2 * T]
             news = [1, 37, 1, 4]
             plan, pages, side, N = page_step(fmt, T, lengths, news, device, seed=1)
             g = torch.Generator().manual_seed(2)
             q, k, v = (torch.randn(N, h, D, generator=g).bfloat16() for h in (Hq, H, H))
-            got = attend_layer_triton(fmt, plan, pages, side, q.to(device), k.to(device), v.to(device), D**-0.5)
-            ref = attend_layer(fmt, plan, pages.cpu(), side.cpu(), q, k, v, D**-0.5)
+            tp = triton.plan(plan, device)
+            got = triton.run(tp, pages, side, q.to(device), k.to(device), v.to(device), D**-0.5)
+            ref = reference.run(reference.plan(plan), pages.cpu(), side.cpu(), q, k, v, D**-0.5)
             err = (got.cpu().double() - ref.double()).abs().max().item()
             row = {"shape": f"{H}/{Hq}/{D}", "policy": name, "err": err, "ok": err <= 1e-4}
             # speed: R decode rows over C tokens each (all full blocks) + 1 new token
@@ -592,7 +594,7 @@ def run_vllm_pages(sz: Sizes, device, timer: Timer) -> list[dict]:
             q = torch.randn(R, Hq, D, device=device, dtype=torch.bfloat16)
             kn, vn = torch.randn(2, R, H, D, device=device, dtype=torch.bfloat16)
             out = torch.empty_like(q)
-            attend = functools.partial(attend_layer_triton, fmt, plan, pages, side, q, kn, vn, D**-0.5, out=out)
+            attend = functools.partial(triton.run, triton.plan(plan, device), pages, side, q, kn, vn, D**-0.5, out=out)
             row["ms"] = timer(attend)
             row["MB"] = (R * (C // T) * fmt.page_bytes + 2 * kn.numel() * 2 + 2 * q.numel() * 2) / 1e6
             row["GB/s"] = row["MB"] / row["ms"]
@@ -618,7 +620,7 @@ def _chunk_row(sz: Sizes, device, timer: Timer, fmt, Hq: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from kvtier.vllm.paged import attend_layer_triton
+    from kvtier.vllm.pages.attention import PagedAttention
 
     T, C, R, n = sz.page_block, sz.page_context, sz.page_chunk_reqs, sz.page_chunk
     H, D = fmt.heads, fmt.head_dim
@@ -627,7 +629,10 @@ def _chunk_row(sz: Sizes, device, timer: Timer, fmt, Hq: int) -> dict:
     kn, vn = torch.randn(2, N, H, D, device=device, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     row = {"shape": f"{H}/{Hq}/{D}", "policy": f"default, {R} x {n}-token chunks"}
-    row["ms"] = timer(functools.partial(attend_layer_triton, fmt, plan, pages, side, q, kn, vn, D**-0.5, out=out))
+    triton = PagedAttention(fmt, "triton")
+    row["ms"] = timer(
+        functools.partial(triton.run, triton.plan(plan, device), pages, side, q, kn, vn, D**-0.5, out=out)
+    )
     row["MB"] = (R * (C // T) * fmt.page_bytes + 2 * kn.numel() * 2 + 2 * q.numel() * 2) / 1e6
     kd = torch.randn(R, H, C + n, D, device=device, dtype=torch.bfloat16)
     vd = torch.randn(R, H, C + n, D, device=device, dtype=torch.bfloat16)
@@ -650,7 +655,7 @@ def _page_variants() -> list[tuple]:
 
     from kvtier.codecs.pages import PageFormat
     from kvtier.kernels import triton_pages as tp
-    from kvtier.vllm.pages import PagePolicy
+    from kvtier.vllm.pages.policy import PagePolicy
 
     out = []
     for (H, Hq, D), policy, R in (

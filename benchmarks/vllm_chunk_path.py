@@ -2,9 +2,9 @@
 
 One request with ``--context`` tokens already packed (4-bit pages, SmolLM2-135M's shape: 9 query /
 3 KV heads of 64, 128-token blocks) and a chunk of ``--chunks`` new tokens: through the fused
-kernel (``kvtier.vllm.paged.attend_layer_fused``, pages read in place) and through
-``kvtier.vllm.prefill.VllmPrefill`` (pages decoded to fp32, vLLM's fp32 CPU kernel). This is what
-``kvtier.vllm.paged.KERNEL_MAX_CHUNK`` is set from. Best of ``--rounds`` rounds, alternating. vLLM venv:
+kernel (``PagedAttention(fmt, "cpp")`` of ``kvtier.vllm.pages.attention``, pages read in place) and through
+``kvtier.vllm.pages.prefill.VllmPrefill`` (pages decoded to fp32, vLLM's fp32 CPU kernel). This is what
+``kvtier.vllm.pages.attention.KERNEL_MAX_CHUNK`` is set from. Best of ``--rounds`` rounds, alternating. vLLM venv:
 
     python benchmarks/vllm_chunk_path.py --threads 2 --chunks 17,32,48,64
 
@@ -25,10 +25,10 @@ H, HQ, D, T = 3, 9, 64, 128
 
 def case(chunk: int, context: int, rounds: int, iters: int = 50) -> dict:
     from kvtier.codecs.pages import PageFormat
-    from kvtier.vllm import paged
-    from kvtier.vllm.paged import SideBuffer, attend_layer_fused, plan_step
-    from kvtier.vllm.pages import PagePolicy
-    from kvtier.vllm.prefill import VllmPrefill
+    from kvtier.vllm.pages.attention import PagedAttention
+    from kvtier.vllm.pages.paged import SideBuffer, plan_step
+    from kvtier.vllm.pages.policy import PagePolicy
+    from kvtier.vllm.pages.prefill import VllmPrefill
 
     torch.manual_seed(0)
     fmt = PageFormat(PagePolicy(block_size=T), H, D, torch.bfloat16)
@@ -46,27 +46,24 @@ def case(chunk: int, context: int, rounds: int, iters: int = 50) -> dict:
     layer = side.layer("l")
     outs = {name: torch.empty(chunk, HQ, D, dtype=torch.bfloat16) for name in ("fused", "prefill")}
     best = dict.fromkeys(outs, float("inf"))
-    saved = paged.KERNEL_MAX_QUERY, paged.KERNEL_MAX_CHUNK
-    try:
-        for _ in range(rounds):
-            for name, out in outs.items():
-                paged.KERNEL_MAX_QUERY, paged.KERNEL_MAX_CHUNK = (1 << 30, 1 << 30) if name == "fused" else (0, 0)
-                plan = plan_step(side, [0, chunk], [context + chunk], table, chunk)
-                plans = pre.plan(plan)
+    limit = {"fused": 1 << 30, "prefill": 0}  # the C++ kernel takes the chunk, or leaves it to the prefill
+    atts = {
+        name: PagedAttention(fmt, "cpp", pre, kernel_max_query=n, kernel_max_chunk=n, bf16_prefill=False)
+        for name, n in limit.items()
+    }
+    for _ in range(rounds):
+        for name, out in outs.items():
+            att = atts[name]
+            plan = att.plan(plan_step(side, [0, chunk], [context + chunk], table, chunk))
 
-                def run(plan=plan, plans=plans, out=out, name=name) -> None:
-                    if name == "fused":
-                        attend_layer_fused(fmt, plan, pages, layer, q, kn, vn, D**-0.5, out=out, rest=False)
-                    for p in plans:
-                        pre.attend(fmt, p, pages, layer, q, kn, vn, D**-0.5, out)
+            def run(att=att, plan=plan, out=out) -> None:
+                att.run(plan, pages, layer, q, kn, vn, D**-0.5, out=out)
 
+            run()
+            t = time.perf_counter()
+            for _ in range(iters):
                 run()
-                t = time.perf_counter()
-                for _ in range(iters):
-                    run()
-                best[name] = min(best[name], (time.perf_counter() - t) / iters * 1e3)
-    finally:
-        paged.KERNEL_MAX_QUERY, paged.KERNEL_MAX_CHUNK = saved
+            best[name] = min(best[name], (time.perf_counter() - t) / iters * 1e3)
     diff = (outs["fused"].float() - outs["prefill"].float()).abs().max().item()
     return {"fused_ms": best["fused"], "prefill_ms": best["prefill"], "speedup": best["prefill"] / best["fused"],
             "max_abs_diff": diff}  # fmt: skip

@@ -30,7 +30,7 @@ import torch
 
 from kvtier.codecs.pages import PageFormat
 from kvtier.quant.rotation import rotation
-from kvtier.vllm.pages import PAGE_POLICIES, PagePolicy
+from kvtier.vllm.pages.policy import PAGE_POLICIES, PagePolicy
 
 #: candidates besides the presets (names for the command line)
 CANDIDATES = {

@@ -36,8 +36,9 @@ def case(reqs: int, length: int, iters: int, rounds: int, levels: tuple[float, .
 
     from kvtier.codecs.pages import PageFormat
     from kvtier.quant.rotation import rotation
-    from kvtier.vllm.paged import SideBuffer, attend_layer_fused, plan_step
-    from kvtier.vllm.pages import PagePolicy, get_page_policy
+    from kvtier.vllm.pages.attention import PagedAttention
+    from kvtier.vllm.pages.paged import SideBuffer, plan_step
+    from kvtier.vllm.pages.policy import PagePolicy, get_page_policy
 
     torch.manual_seed(0)
     fmt = PageFormat(PagePolicy(block_size=T), H, D, torch.bfloat16)
@@ -72,14 +73,18 @@ def case(reqs: int, length: int, iters: int, rounds: int, levels: tuple[float, .
     out2 = torch.empty_like(out)
     bt = table.to(torch.int32)
 
+    att = PagedAttention(fmt, "cpp")
+    step = att.plan(plan)
+
     def kvtier() -> None:
-        attend_layer_fused(fmt, plan, pages, layer, q, kn, vn, D**-0.5, out=out)
+        att.run(step, pages, layer, q, kn, vn, D**-0.5, out=out)
 
     counts = {lv: torch.zeros(2, dtype=torch.long) for lv in levels}
 
     def sparse(level: float):  # noqa: ANN202
-        sfmt = PageFormat(PagePolicy(block_size=T, sparse_mass=level), H, D, torch.bfloat16)
-        return lambda: attend_layer_fused(sfmt, plan, pages, layer, q, kn, vn, D**-0.5, out=out, counts=counts[level])
+        satt = PagedAttention(PageFormat(PagePolicy(block_size=T, sparse_mass=level), H, D, torch.bfloat16), "cpp")
+        sstep = satt.plan(plan)
+        return lambda: satt.run(sstep, pages, layer, q, kn, vn, D**-0.5, out=out, counts=counts[level])
 
     def vllm() -> None:
         ops.cpu_attention_with_kv_cache(
@@ -94,10 +99,12 @@ def case(reqs: int, length: int, iters: int, rounds: int, levels: tuple[float, .
         vr = torch.matmul(v.float(), r).to(v.dtype) if pfmt.policy.value_rotation else v
         ppages = torch.zeros(pages.shape[0], pfmt.page_bytes, dtype=torch.uint8)
         ppages[1:] = pfmt.encode(k.view(-1, T, H, D).transpose(1, 2), vr.view(-1, T, H, D).transpose(1, 2))
+        patt = PagedAttention(pfmt, "cpp")
+        pstep = patt.plan(plan)
 
         def run() -> None:
             vv = torch.matmul(vn.float(), r).to(vn.dtype) if pfmt.policy.value_rotation else vn
-            attend_layer_fused(pfmt, plan, ppages, layer, q, kn, vv, D**-0.5, out=out)
+            patt.run(pstep, ppages, layer, q, kn, vv, D**-0.5, out=out)
             if pfmt.policy.value_rotation:
                 out.copy_(torch.matmul(out.float(), r.T))
 

@@ -45,14 +45,15 @@ def case(chunk: int, context: int, rounds: int) -> dict:
     refs = {}
     if context and context % T == 0:  # the context from packed pages, read in place / decoded
         from kvtier.codecs.pages import PageFormat
-        from kvtier.vllm.pages import PagePolicy
-        from kvtier.vllm.prefill import decode_rows
+        from kvtier.vllm.pages.attention import PagedAttention
+        from kvtier.vllm.pages.policy import PagePolicy
 
         fmt = PageFormat(PagePolicy(block_size=T), H, D, torch.bfloat16)
+        decode_rows = PagedAttention(fmt, "cpp").decode_rows
         n = context // T
         pages = fmt.encode(k[:context].view(n, T, H, D).transpose(1, 2), v[:context].view(n, T, H, D).transpose(1, 2))
         pids = torch.arange(n)
-        kd, vd = decode_rows(fmt, pages, list(range(n)), torch.float32)
+        kd, vd = decode_rows(pages, list(range(n)), torch.float32)
         kr, vr = torch.cat((kd, k[context:].float())), torch.cat((vd, v[context:].float()))
         refs["kvtier_paged"] = prefill_cpu.attend_reference(q.double(), kr.double(), vr.double(), scale)
         out_p = torch.empty_like(out)
@@ -61,7 +62,7 @@ def case(chunk: int, context: int, rounds: int) -> dict:
         calls["kvtier_paged"] = lambda: prefill_cpu.attend_paged(
             q, k[context:], v[context:], out_p, scale, pages, pids, lay
         )
-        calls["decode_pages"] = lambda: decode_rows(fmt, pages, list(range(n)), torch.float32)
+        calls["decode_pages"] = lambda: decode_rows(pages, list(range(n)), torch.float32)
     for dt in (torch.bfloat16, torch.float32):
         isa = _get_attn_isa(dt, T, D)
         blocks = -(-L // T)

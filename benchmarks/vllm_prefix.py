@@ -88,7 +88,7 @@ def timed(fn) -> float:  # noqa: ANN001
 
 def measure(name: str, model: str, windows: list[list[int]], args, disk: str | None) -> dict:  # noqa: ANN001
     from kvtier.vllm import kv_transfer_config
-    from kvtier.vllm.spec import engine_store
+    from kvtier.vllm.store.spec import engine_store
 
     policy = {"disk": "default"}.get(name, name)
     cfg = None if name == "vllm" else kv_transfer_config(policy, cpu_bytes=args.cpu_bytes, disk_path=disk)
@@ -222,7 +222,7 @@ def capacity(cpu_blocks: int = 48) -> dict:
 
 def restart_child(model: str, disk: str, prompt: list[int]) -> dict:
     from kvtier.vllm import kv_transfer_config
-    from kvtier.vllm.spec import engine_store
+    from kvtier.vllm.store.spec import engine_store
 
     cfg = kv_transfer_config("default", cpu_bytes=1 << 30, disk_path=disk)
     llm = engine(model, cfg)

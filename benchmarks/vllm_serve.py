@@ -5,7 +5,7 @@ GiB of KV), built one after another in this process:
 
 - ``vllm``: vLLM's own backend, bf16 pages; ``fp8``: ``kv_cache_dtype="fp8"``;
 - ``exact``, ``default``, ``sinks``, ...: kvtier's backend with that page policy
-  (:data:`kvtier.vllm.pages.PAGE_POLICIES`), registered while the engine is built.
+  (:data:`kvtier.vllm.pages.policy.PAGE_POLICIES`), registered while the engine is built.
 
 Parts (``--parts``):
 
@@ -271,12 +271,13 @@ def load(llm, tok, args, name: str, salt: int = 0) -> dict:  # noqa: ANN001
     }
     prefill_cls = None
     if name not in ("vllm", "fp8"):
-        from kvtier.vllm import prefill as prefill_mod
+        from kvtier.vllm.pages import attention as attention_mod
+        from kvtier.vllm.pages import prefill as prefill_mod
 
         prefill_cls, attend_orig, decode_orig = (
             prefill_mod.VllmPrefill,
             prefill_mod.VllmPrefill.attend,
-            prefill_mod.decode_rows,
+            attention_mod.CppPages.decode,
         )
 
         def attend(self, fmt, p, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
@@ -288,13 +289,13 @@ def load(llm, tok, args, name: str, salt: int = 0) -> dict:  # noqa: ANN001
             n = p.req.qe - p.req.qs
             split[path + "_pairs"] += n * p.context + n * (n + 1) // 2
 
-        def decode_rows(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        def decode_rows(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
             t0 = time.perf_counter()
-            out = decode_orig(*a, **k)
+            out = decode_orig(self, *a, **k)
             split["prefill_vllm_fp32_decode_s"] += time.perf_counter() - t0
             return out
 
-        prefill_cls.attend, prefill_mod.decode_rows = attend, decode_rows
+        prefill_cls.attend, attention_mod.CppPages.decode = attend, decode_rows
     sp = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True, detokenize=False)
     counts0 = sparse_counts(name)
     t = time.perf_counter()
@@ -304,13 +305,13 @@ def load(llm, tok, args, name: str, salt: int = 0) -> dict:  # noqa: ANN001
         sched.schedule = orig
         executor.execute_model = run_step
         if prefill_cls is not None:
-            prefill_cls.attend, prefill_mod.decode_rows = attend_orig, decode_orig
+            prefill_cls.attend, attention_mod.CppPages.decode = attend_orig, decode_orig
     wall = time.perf_counter() - t
     valued, scored = (a - b for a, b in zip(sparse_counts(name), counts0))
     new = sum(len(o.outputs[0].token_ids) for o in outs)
     side = 0
     if name not in ("vllm", "fp8"):
-        from kvtier.vllm.backend import side_buffer_bytes
+        from kvtier.vllm.pages.backend import side_buffer_bytes
 
         side = side_buffer_bytes()
     return {
@@ -330,7 +331,7 @@ def sparse_counts(name: str) -> tuple[int, int]:
     """(tokens valued, tokens scored) so far by kvtier's sparse decode in this process."""
     if name in ("vllm", "fp8"):
         return (0, 0)
-    from kvtier.vllm.backend import sparse_counts as counts
+    from kvtier.vllm.pages.backend import sparse_counts as counts
 
     return counts()
 

@@ -204,6 +204,27 @@ def test_imports_point_down_the_layers():
     assert not up, f"{len(up)} imports from a lower layer to a higher one:\n" + "\n".join(up)
 
 
+def test_vllm_store_and_pages_never_import_each_other():
+    """``kvtier.vllm.store`` (the prefix store) and ``kvtier.vllm.pages`` (the packed-page backend) share
+    the adapters' layer and nothing else: what they both need sits below them (codecs, quant, kernels).
+    (They are not a layer of their own: the store's log line reads ``kvtier.__version__``.) One edge is
+    allowed: the store reads an engine's page policy (``pages.policy``, a leaf of pure Python) to keep
+    blocks of packed pages as they are."""
+    graph = import_graph()
+    store, pages = "kvtier.vllm.store", "kvtier.vllm.pages"
+    assert {store, pages, store + ".spec", pages + ".backend"} <= set(graph)
+    crossing = [
+        f"{m} -> {t}"
+        for m in graph
+        for t in graph[m]
+        for a, b in ((store, pages), (pages, store))
+        if (m == a or m.startswith(a + "."))
+        and (t == b or t.startswith(b + "."))
+        and not (m.startswith(store + ".") and t == pages + ".policy")
+    ]
+    assert not crossing, crossing
+
+
 # A meta path finder that makes ``transformers`` (and its submodules) impossible to import.
 BLOCK_TRANSFORMERS = textwrap.dedent(
     """

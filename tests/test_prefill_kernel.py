@@ -104,7 +104,7 @@ def test_paged_prefill_matches_reference(n: int, Le: int, pages: int, Hq: int, H
     """``attend_paged`` over packed pages + exact rows = the fp32 reference over the pages' decoded
     fp32 keys and values: within the kernel's bound, with packed values' p * s rounded to bf16."""
     from kvtier.codecs.pages import PageFormat
-    from kvtier.vllm.pages import PagePolicy
+    from kvtier.vllm.pages.policy import PagePolicy
 
     torch.manual_seed(n + 7 * Le)
     fmt = PageFormat(PagePolicy(**policy), H, D, torch.bfloat16)
@@ -140,7 +140,7 @@ def test_paged_prefill_matches_reference(n: int, Le: int, pages: int, Hq: int, H
 
 def test_paged_prefill_refuses_pages_it_cannot_read() -> None:
     from kvtier.codecs.pages import PageFormat
-    from kvtier.vllm.pages import PagePolicy
+    from kvtier.vllm.pages.policy import PagePolicy
 
     fmt = PageFormat(PagePolicy(block_size=32), 1, 64, torch.bfloat16)  # 32-token pages
     assert not prefill_cpu.paged_supported(fmt.layout())
@@ -154,7 +154,7 @@ def test_paged_prefill_refuses_pages_it_cannot_read() -> None:
 def test_paged_prefill_refuses_page_ids_out_of_range(bad: int) -> None:
     """A page id outside the pool is refused before anything is read."""
     from kvtier.codecs.pages import PageFormat
-    from kvtier.vllm.pages import PagePolicy
+    from kvtier.vllm.pages.policy import PagePolicy
 
     fmt = PageFormat(PagePolicy(), 1, 64, torch.bfloat16)
     x = torch.zeros(4, 1, 64, dtype=torch.bfloat16)

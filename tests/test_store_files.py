@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.vllm.blocks import BlockFormat
-from kvtier.vllm.policy import get_store_policy
-from kvtier.vllm.store import PrefixStore
+from kvtier.vllm.store.blocks import BlockFormat
+from kvtier.vllm.store.policy import get_store_policy
+from kvtier.vllm.store.prefix import PrefixStore
 
 FMT = BlockFormat(layers=2, heads=2, tokens=16, head_dim=128, dtype=torch.bfloat16)
 
@@ -55,7 +55,7 @@ def check_read_only_store(folder: Path, expected: dict[int, torch.Tensor], caplo
     caplog.clear()
     store = PrefixStore(get_store_policy("default"), FMT, cpu_bytes=1 << 22, disk_path=folder, namespace="ns")
     try:
-        with caplog.at_level(logging.WARNING, logger="kvtier.vllm.store"):
+        with caplog.at_level(logging.WARNING, logger="kvtier.vllm.store.prefix"):
             for i, kv in expected.items():  # the volume's blocks are served
                 assert store.lookup(key(i)) == "hit"
                 store.pin([key(i)])
@@ -223,7 +223,7 @@ def test_disk_budget_holds_with_two_engines_sharing_the_folder(tmp_path):
 
 
 def test_disk_budget_validation():
-    from kvtier.vllm.config import StoreConfig
+    from kvtier.vllm.store.config import StoreConfig
 
     with pytest.raises(ValueError, match=r"disk_bytes=0 is not allowed"):
         PrefixStore(get_store_policy("default"), FMT, cpu_bytes=1, disk_bytes=0)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kvtier.codecs.pages import PageFormat
-from kvtier.vllm.blocks import HEADER_BYTES, BlockCodec, BlockFormat, RecordCorrupt
-from kvtier.vllm.pages import get_page_policy
-from kvtier.vllm.policy import get_store_policy
-from kvtier.vllm.store import PrefixStore
+from kvtier.vllm.pages.policy import get_page_policy
+from kvtier.vllm.store.blocks import HEADER_BYTES, BlockCodec, BlockFormat, RecordCorrupt
+from kvtier.vllm.store.policy import get_store_policy
+from kvtier.vllm.store.prefix import PrefixStore
 
 PAGE = PageFormat(get_page_policy("default"), 2, 128, torch.bfloat16).page_bytes
 FMT = BlockFormat(layers=3, heads=2, tokens=128, head_dim=128, dtype=torch.bfloat16, page_bytes=PAGE)

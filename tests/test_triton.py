@@ -345,8 +345,8 @@ def _module_level_imports(tree):
 def test_cpu_use_never_imports_triton():
     """Only the Triton kernel modules (``triton_decode``, ``triton_pages``) import Triton, and no other
     module imports them or ``dispatch`` at import time: CPU-only use of kvtier never loads Triton
-    (``partials`` imports ``dispatch`` inside its CUDA branch, ``kvtier.vllm.paged`` ``triton_pages``
-    inside ``attend_layer_triton``)."""
+    (``partials`` imports ``dispatch`` inside its CUDA branch, ``kvtier.vllm.pages.attention`` ``triton_pages``
+    inside ``TritonPages.attend``)."""
     for path in (ROOT / "src" / "kvtier").rglob("*.py"):
         if path.name in ("triton_decode.py", "triton_pages.py"):
             continue

@@ -17,18 +17,10 @@ import torch.nn.functional as F
 
 from kvtier.codecs.pages import PageFormat
 from kvtier.kernels import vllm_paged_cpu
-from kvtier.vllm import paged
-from kvtier.vllm.paged import (
-    SideBuffer,
-    SideSlotLost,
-    attend_layer,
-    attend_layer_fused,
-    attend_layer_triton,
-    plan_step,
-    update_layer,
-    update_layer_fused,
-)
-from kvtier.vllm.pages import PAGE_POLICIES, PagePolicy, get_page_policy
+from kvtier.vllm.pages import paged
+from kvtier.vllm.pages.attention import PagedAttention, TritonPages
+from kvtier.vllm.pages.paged import SideBuffer, SideSlotLost, plan_step
+from kvtier.vllm.pages.policy import PAGE_POLICIES, PagePolicy, get_page_policy
 
 H, HQ, D = 3, 9, 64
 
@@ -62,7 +54,7 @@ def test_policy_rejects(kwargs: dict) -> None:
 
 
 def test_policy_name_round_trip() -> None:
-    from kvtier.vllm.pages import parse_policy_name, policy_name
+    from kvtier.vllm.pages.policy import parse_policy_name, policy_name
 
     more = [PagePolicy(sparse_mass=0.9999, local_window=0), PagePolicy(bits=2, value_bits=8, value_rotation=True)]
     for p in [*(v[0] for v in PAGE_POLICIES.values()), *more]:
@@ -115,19 +107,24 @@ def test_round_trip_bound(policy: PagePolicy) -> None:
         assert torch.equal(kd[:, :, :s], k[:, :, :s].float()) and torch.equal(vd[:, :, :s], v[:, :, :s].float())
 
 
+def torch_path(fmt: PageFormat) -> PagedAttention:
+    """The plain-torch reference (every request)."""
+    return PagedAttention(fmt, "torch")
+
+
 class FakeEngine:
     """Block ids, side buffer, pages and the reference K/V of each request."""
 
     def __init__(
-        self, policy: PagePolicy, slots: int = 8, blocks: int = 64, attend=attend_layer, oracle=None,  # noqa: ANN001
+        self, policy: PagePolicy, slots: int = 8, blocks: int = 64, attend=torch_path, oracle=None,  # noqa: ANN001
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:  # fmt: skip
-        # oracle: a torch path the step is compared with instead of the float64 reference
-        self.attend, self.oracle, self.dtype = attend, oracle, dtype
-        # the fused paths pack in C++ too (4-bit pages); the torch and Triton paths in torch
-        torch_update = attend is attend_layer or getattr(attend, "torch_update", False)
-        self.update = update_layer if torch_update or not policy.kernel_codes else update_layer_fused
+        # attend(fmt) -> the PagedAttention under test (it packs too: C++ for the C++ backend, else torch);
+        # oracle: one whose output the step is compared with instead of the float64 reference
+        self.variant, self.dtype = attend, dtype
         self.fmt = PageFormat(policy, H, D, dtype)
+        self.att = attend(self.fmt)
+        self.oracle = oracle(self.fmt) if oracle is not None else None
         self.T = policy.block_size
         self.side = SideBuffer(slots, self.T, H, D, dtype)
         self.pages = torch.zeros(blocks, self.fmt.page_bytes, dtype=torch.uint8)
@@ -167,16 +164,21 @@ class FakeEngine:
         k_new = torch.cat([self.k[n][self.done[n] : self.done[n] + sched[n]] for n in names])
         v_new = torch.cat([self.v[n][self.done[n] : self.done[n] + sched[n]] for n in names])
         packed_before = set(self.side.packed)
-        plan = plan_step(self.side, qsl, lens, bt, qsl[-1])
+        step = plan_step(self.side, qsl, lens, bt, qsl[-1])
+        plan = self.att.plan(step)
         side = self.side.layer("layer0")
         if self.oracle is not None:
-            oracle = self.oracle(self.fmt, plan, self.pages, side, q_all, k_new, v_new, D**-0.5).double()
-        bf16_out = getattr(self.attend, "bf16_out", False)
+            oracle = self.oracle.run(self.oracle.plan(step), self.pages, side, q_all, k_new, v_new, D**-0.5).double()
+        bf16_out = getattr(self.variant, "bf16_out", False)
+        out = None
         if bf16_out:  # written into a bf16 output, as into vLLM's
             out = torch.full((qsl[-1], HQ, D), float("nan"), dtype=torch.bfloat16)
-            self.attend(self.fmt, plan, self.pages, side, q_all, k_new, v_new, D**-0.5, out=out)
-        else:
-            out = self.attend(self.fmt, plan, self.pages, side, q_all, k_new, v_new, D**-0.5)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(getattr(self.variant, "threads", threads))
+        try:
+            out = self.att.run(plan, self.pages, side, q_all, k_new, v_new, D**-0.5, out=out)
+        finally:
+            torch.set_num_threads(threads)
         for i, name in enumerate(names):
             c, q = self.done[name], sched[name]
             if self.oracle is not None:
@@ -186,7 +188,7 @@ class FakeEngine:
             err = (out[qsl[i] : qsl[i + 1]].double() - ref).abs()
             tol = 2e-5 + (ref.abs() * 2**-8 if bf16_out else 0)  # bf16 output: its rounding on top
             assert (err <= tol).all(), (name, c, q, err.max().item())
-        self.update(self.fmt, plan, self.pages, side, k_new, v_new)
+        self.att.update(plan, self.pages, side, k_new, v_new)
         for name in names:
             self.done[name] += sched[name]
             full = self.done[name] // self.T
@@ -222,53 +224,50 @@ class FakeEngine:
         return o[0].transpose(0, 1)
 
 
-def fused_only(*args):  # noqa: ANN002, ANN201
-    """The fused kernel for every request, prefill chunks too (its causal exact-row path)."""
-    old, paged.KERNEL_MAX_QUERY = paged.KERNEL_MAX_QUERY, 1 << 30
-    try:
-        return attend_layer_fused(*args)
-    finally:
-        paged.KERNEL_MAX_QUERY = old
+def fused(fmt: PageFormat) -> PagedAttention:
+    """The C++ kernel for decode rows and short chunks over packed blocks, the torch reference for the rest."""
+    return PagedAttention(fmt, "cpp")
 
 
-def fused_bf16(*args, out):  # noqa: ANN002, ANN001, ANN201
-    """The fused path writing a bf16 output in place (as the backend writes vLLM's)."""
-    return attend_layer_fused(*args, out=out)
+def fused_only(fmt: PageFormat) -> PagedAttention:
+    """The C++ kernel for every request, prefill chunks too (its causal exact-row path)."""
+    return PagedAttention(fmt, "cpp", kernel_max_query=1 << 30)
+
+
+def fused_bf16(fmt: PageFormat) -> PagedAttention:
+    """The C++ path writing a bf16 output in place (as the backend writes vLLM's)."""
+    return PagedAttention(fmt, "cpp")
 
 
 fused_bf16.bf16_out = True
 
 
-def fused_split(*args):  # noqa: ANN002, ANN201
-    """The fused path with 8 threads: fewer (request, head) tasks than 2 x threads, so the kernel splits
+def fused_split(fmt: PageFormat) -> PagedAttention:
+    """The C++ path with 8 threads: fewer (request, head) tasks than 2 x threads, so the kernel splits
     each request's packed blocks across tasks and merges their softmax states."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(8)
-    try:
-        return attend_layer_fused(*args)
-    finally:
-        torch.set_num_threads(old)
+    return PagedAttention(fmt, "cpp")
 
 
-def triton_dense(*args):  # noqa: ANN002, ANN201
-    """The Triton kernel (interpreted on the CPU), splits picked as on a device."""
-    return attend_layer_triton(*args)
+fused_split.threads = 8
 
 
-def triton_split(*args):  # noqa: ANN002, ANN201
+def triton_dense(fmt: PageFormat) -> PagedAttention:
+    """The Triton kernel (interpreted on the CPU), splits picked as on a device; packing in torch."""
+    return PagedAttention(fmt, "triton")
+
+
+def triton_split(fmt: PageFormat) -> PagedAttention:
     """The Triton kernel (interpreted on the CPU) with 3 splits per (request, head, row tile): pages,
     the block read in part and the exact unit land in different splits and are merged."""
-    return attend_layer_triton(*args, num_splits=3)
+    return PagedAttention(fmt, TritonPages(num_splits=3))
 
 
-def triton_bf16(*args, out):  # noqa: ANN002, ANN001, ANN201
+def triton_bf16(fmt: PageFormat) -> PagedAttention:
     """The Triton kernel writing a bf16 output in place."""
-    return attend_layer_triton(*args, out=out)
+    return PagedAttention(fmt, "triton")
 
 
 triton_bf16.bf16_out = True
-for _f in (triton_dense, triton_split, triton_bf16):
-    _f.torch_update = True  # packing on a GPU: update_layer (torch)
 
 
 def _triton_available() -> bool:
@@ -282,8 +281,8 @@ def _triton_available() -> bool:
 _NO_KERNEL = pytest.mark.skipif(not vllm_paged_cpu.available(), reason="no C++ build")
 _NO_TRITON = pytest.mark.skipif(not _triton_available(), reason="no Triton")
 ATTEND = [
-    attend_layer,
-    pytest.param(attend_layer_fused, marks=_NO_KERNEL),
+    torch_path,
+    pytest.param(fused, marks=_NO_KERNEL),
     pytest.param(fused_only, marks=_NO_KERNEL),
     pytest.param(fused_bf16, marks=_NO_KERNEL),
     pytest.param(fused_split, marks=_NO_KERNEL),
@@ -323,7 +322,7 @@ def test_steps_against_reference(policy: PagePolicy, attend) -> None:  # noqa: A
 
 @pytest.mark.parametrize(
     "attend",
-    [attend_layer, pytest.param(attend_layer_fused, marks=_NO_KERNEL), pytest.param(fused_only, marks=_NO_KERNEL)],
+    [torch_path, pytest.param(fused, marks=_NO_KERNEL), pytest.param(fused_only, marks=_NO_KERNEL)],
 )
 @pytest.mark.parametrize("policy", [get_page_policy("default"), get_page_policy("compact")])
 def test_steps_at_the_qwen_shape(policy: PagePolicy, attend, monkeypatch) -> None:  # noqa: ANN001
@@ -374,7 +373,7 @@ def test_lost_slot_raises() -> None:
 
 def test_engine_kwargs() -> None:
     from kvtier.vllm import engine_kwargs
-    from kvtier.vllm.pages import parse_policy_name
+    from kvtier.vllm.pages.policy import parse_policy_name
 
     kw = engine_kwargs("default")
     assert kw["block_size"] == 128 and kw["max_num_seqs"] == 64
@@ -396,7 +395,7 @@ def test_engine_kwargs() -> None:
     ],
 )
 def test_fused_update_packs_encode_bytes(policy: PagePolicy, dtype: torch.dtype) -> None:
-    """The C++ packer writes PageFormat.encode's bytes (padding included) and the side rows of update_layer,
+    """The C++ packer writes PageFormat.encode's bytes (padding included) and the side rows of the torch path,
     from side rows + new tokens, for blocks started earlier and blocks filled within the step."""
     torch.manual_seed(3)
     fmt = PageFormat(policy, H, D, dtype)
@@ -415,8 +414,9 @@ def test_fused_update_packs_encode_bytes(policy: PagePolicy, dtype: torch.dtype)
     plan.write_tokens = torch.arange(3 * T - 7, 3 * T - 2)
     pages = torch.randint(0, 256, (8, fmt.page_bytes), dtype=torch.uint8)
     ref = pages.clone()
-    update_layer(fmt, plan, ref, side_ref, key, value)
-    update_layer_fused(fmt, plan, pages, side, key, value)
+    ref_att, att = PagedAttention(fmt, "torch"), PagedAttention(fmt, "cpp")
+    ref_att.update(ref_att.plan(plan), ref, side_ref, key, value)
+    att.update(att.plan(plan), pages, side, key, value)
     assert torch.equal(pages[[5, 1, 3]], ref[[5, 1, 3]])
     assert torch.equal(side, side_ref)
 
@@ -433,8 +433,6 @@ def test_fused_update_packs_encode_bytes(policy: PagePolicy, dtype: torch.dtype)
 )
 def test_decode_rows_is_page_decode(policy: PagePolicy, dtype: torch.dtype) -> None:
     """The C++ page decoder gives PageFormat.decode's values in the model dtype, token-major."""
-    from kvtier.vllm.prefill import decode_rows
-
     torch.manual_seed(4)
     fmt = PageFormat(policy, H, D, dtype)
     T = policy.block_size
@@ -442,7 +440,7 @@ def test_decode_rows_is_page_decode(policy: PagePolicy, dtype: torch.dtype) -> N
     v = torch.randn(5, H, T, D).to(dtype)
     pages = fmt.encode(k, v)
     for out_dtype in (dtype, torch.float32):  # the model dtype, and fp32 (prefill chunks over packed blocks)
-        kd, vd = decode_rows(fmt, pages, [3, 0, 4], out_dtype)
+        kd, vd = PagedAttention(fmt, "cpp").decode_rows(pages, [3, 0, 4], out_dtype)
         kr, vr = fmt.decode(pages[[3, 0, 4]], out_dtype)
         assert kd.dtype == out_dtype and torch.equal(kd, kr.transpose(1, 2).reshape(-1, H, D))
         assert torch.equal(vd, vr.transpose(1, 2).reshape(-1, H, D))
@@ -472,12 +470,12 @@ def _sparse_steps(eng: FakeEngine) -> None:
 
 
 @_NO_KERNEL
-@pytest.mark.parametrize("attend", [attend_layer_fused, fused_bf16, fused_split])
+@pytest.mark.parametrize("attend", [fused, fused_bf16, fused_split])
 @pytest.mark.parametrize("policy", SPARSE)
 def test_sparse_decode_kernel_matches_torch_path(policy: PagePolicy, attend) -> None:  # noqa: ANN001
     """Sparse decode (PagePolicy.sparse_mass) in the fused kernel = the torch path's select_packed."""
     torch.manual_seed(5)
-    _sparse_steps(FakeEngine(policy, attend=attend, oracle=attend_layer))
+    _sparse_steps(FakeEngine(policy, attend=attend, oracle=torch_path))
 
 
 @pytest.mark.parametrize("policy", SPARSE)
@@ -495,15 +493,16 @@ def test_sparse_decode_close_to_dense(policy: PagePolicy) -> None:
         q_rows = torch.randn(n, HQ, D).bfloat16()
         c = eng.done["a"]
         k_new, v_new = eng.k["a"][c : c + n], eng.v["a"][c : c + n]
-        plan = plan_step(eng.side, [0, n], [c + n], torch.tensor([eng.table["a"]]), n)
+        plan = eng.att.plan(plan_step(eng.side, [0, n], [c + n], torch.tensor([eng.table["a"]]), n))
+        assert plan.index["reqs"][0][1]  # decode rows: sparse
         side = eng.side.layer("layer0")
-        out = attend_layer(eng.fmt, plan, eng.pages, side, q_rows, k_new, v_new, D**-0.5).double()
+        out = eng.att.run(plan, eng.pages, side, q_rows, k_new, v_new, D**-0.5).double()
         ref = eng.reference("a", q_rows, c, n, set(eng.side.packed))
         bound = 2 * (1 - level) / level * eng.v["a"][: c + n].double().abs().amax()
         err = (out - ref).abs().max().item()
         assert err <= bound + 2e-5, (n, err, bound.item())
         worst = max(worst, err)
-        update_layer(eng.fmt, plan, eng.pages, side, k_new, v_new)
+        eng.att.update(plan, eng.pages, side, k_new, v_new)
         eng.done["a"] += n
     assert worst > 1e-4  # tokens were dropped: the comparison is live
 
@@ -528,37 +527,26 @@ def test_sparse_decode_counts() -> None:
     """The kernel counts the tokens it scored and valued under sparse decode (fewer valued)."""
     torch.manual_seed(8)
     policy = PagePolicy(block_size=32, sparse_mass=0.9)
-    eng = FakeEngine(policy, attend=attend_layer_fused)
+    eng = FakeEngine(policy, attend=fused)
     eng.add("a", 10 * 32)
     eng.step({"a": 8 * 32})
     c = eng.done["a"]
-    plan = plan_step(eng.side, [0, 1], [c + 1], torch.tensor([eng.table["a"] + [eng.next_block]]), 1)
+    plan = eng.att.plan(plan_step(eng.side, [0, 1], [c + 1], torch.tensor([eng.table["a"] + [eng.next_block]]), 1))
     counts = torch.zeros(2, dtype=torch.long)
     k1, v1 = eng.k["a"][c : c + 1], eng.v["a"][c : c + 1]
-    attend_layer_fused(
-        eng.fmt,
-        plan,
-        eng.pages,
-        eng.side.layer("layer0"),
-        torch.randn(1, HQ, D).bfloat16(),
-        k1,
-        v1,
-        0.125,
-        counts=counts,
-    )
+    q1 = torch.randn(1, HQ, D).bfloat16()
+    eng.att.run(plan, eng.pages, eng.side.layer("layer0"), q1, k1, v1, 0.125, counts=counts)
     assert counts[1] == 8 * 32 * H and 0 < counts[0] < counts[1]
 
 
 def test_fused_paths_refuse_codes_the_kernel_cannot_read() -> None:
-    """3-bit keys or 2-bit values go through the torch path; the C++ calls refuse them at the call."""
+    """3-bit keys or 2-bit values go through the torch path (the engine's choice); the C++ backend
+    refuses them when it is named."""
     for policy in (PagePolicy(block_size=32, bits=3), PagePolicy(block_size=32, value_bits=2)):
-        eng = FakeEngine(policy)
-        args = (eng.fmt, paged.StepPlan(1, [], [], []), eng.pages, eng.side.layer("x"))
-        x = torch.zeros(1, H, D)
+        fmt = PageFormat(policy, H, D, torch.bfloat16)
+        assert PagedAttention(fmt).kernel.name == "torch"
         with pytest.raises(ValueError, match="4-bit keys with 4- or 3-bit values"):
-            attend_layer_fused(*args, x, x, x, 1.0)
-        with pytest.raises(ValueError, match="4-bit keys with 4- or 3-bit values"):
-            update_layer_fused(*args, x, x)
+            PagedAttention(fmt, "cpp")
 
 
 @_NO_TRITON
@@ -593,14 +581,14 @@ def test_triton_path_refusals() -> None:
 
     eng = FakeEngine(PagePolicy(block_size=32, sparse_mass=0.9))
     eng.add("a", 40)
-    plan = plan_step(eng.side, [0, 40], [40], torch.tensor([[1, 2]]), 40)
+    step = plan_step(eng.side, [0, 40], [40], torch.tensor([[1, 2]]), 40)
     q, k, v = torch.randn(40, HQ, D), torch.randn(40, H, D), torch.randn(40, H, D)
     side = eng.side.layer("layer0")
     with pytest.raises(ValueError, match="sparse_mass has no Triton path"):
-        attend_layer_triton(eng.fmt, plan, eng.pages, side, q, k, v, 0.1)
+        PagedAttention(eng.fmt, "triton")
     fmt = PageFormat(PagePolicy(block_size=32), H, D, torch.bfloat16)
     pages = torch.zeros(4, fmt.page_bytes, dtype=torch.uint8)
-    idx = paged.triton_index(plan, q.device)
+    idx = PagedAttention(fmt, "triton").plan(step, q.device).index
     args = (q, k, v, side, pages, idx["reqs"], idx["pstart"], idx["pids"], torch.empty_like(q), 0.1)
     kw = {"max_query": 40, "max_units": 3}
     with pytest.raises(ValueError, match="layout has"):
@@ -666,3 +654,40 @@ def test_fused_kernels_refuse_indices_out_of_range() -> None:
     with pytest.raises(RuntimeError, match=re.escape("pids[2] = 7 is outside the 4 pages")):
         kd = torch.empty(3 * T, H, D, dtype=dtype)
         vllm_paged_cpu.decode(pages, torch.tensor([0, 1, 7]), kd, kd.clone(), dtype, fmt.layout())
+
+
+def test_plan_decides_every_request_once() -> None:
+    """PagedAttention.plan routes each request of a step once: the C++ kernel takes decode rows and
+    short chunks over packed blocks (up to its thresholds), the torch reference the rest (no prefill
+    kernels given); sparse decode only for rows of at most SPARSE_MAX_QUERY new tokens; the torch and
+    Triton backends take every request. run and update read only the plan."""
+    from kvtier.vllm.pages.attention import KERNEL_MAX_CHUNK, KERNEL_MAX_QUERY
+    from kvtier.vllm.pages.policy import SPARSE_MAX_QUERY
+
+    T = 32
+    fmt = PageFormat(PagePolicy(block_size=T, sparse_mass=0.9), H, D, torch.bfloat16)
+    side = SideBuffer(8, T, H, D, torch.bfloat16)
+    side.packed.update(range(1, 9))
+    # new tokens / packed blocks: decode, a short chunk over packed blocks, a long one, a chunk over nothing
+    news = [1, SPARSE_MAX_QUERY + 1, KERNEL_MAX_CHUNK, KERNEL_MAX_CHUNK + 1, KERNEL_MAX_QUERY + 1]
+    packed = [2, 2, 2, 2, 0]
+    qsl = [0]
+    for n in news:
+        qsl.append(qsl[-1] + n)
+    table = torch.tensor([[1 + 2 * i, 2 + 2 * i, 20 + 3 * i, 21 + 3 * i, 22 + 3 * i] for i in range(5)])
+    table[4] = torch.tensor([30, 31, 32, 33, 34])
+    step = plan_step(side, qsl, [p * T + n for p, n in zip(packed, news)], table, qsl[-1])
+    cpp = PagedAttention(fmt, "cpp") if vllm_paged_cpu.available() else None
+    if cpp is not None:
+        plan = cpp.plan(step)
+        assert [r.qe - r.qs for r in plan.kernel] == news[:3]
+        assert [(r.qe - r.qs, sparse) for r, sparse in plan.rest["reqs"]] == [(news[3], False), (news[4], False)]
+        assert plan.index["reqs"][:, 1].sub(plan.index["reqs"][:, 0]).tolist() == news[:3]
+        assert plan.index["max_query"] == SPARSE_MAX_QUERY and plan.prefill == []
+    ref = PagedAttention(fmt, "torch").plan(step)
+    assert [sparse for _, sparse in ref.index["reqs"]] == [True, False, False, False, False]
+    assert ref.rest is None and [r.qe - r.qs for r in ref.kernel] == news
+    with pytest.raises(ValueError, match="backend='cuda' is not allowed"):
+        PagedAttention(fmt, "cuda")
+    with pytest.raises(ValueError, match="backend must be 'cpp'"):
+        PagedAttention(fmt, "torch", prefill=object())

@@ -11,7 +11,7 @@ import sys
 from vllm_helpers import generate, make_llm
 
 from kvtier.vllm import attention_backend, engine_kwargs, kv_transfer_config
-from kvtier.vllm.spec import engine_store
+from kvtier.vllm.store.spec import engine_store
 
 if __name__ == "__main__":
     job = json.loads(sys.stdin.read())

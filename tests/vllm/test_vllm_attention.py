@@ -81,7 +81,7 @@ def test_engine_without_kvtier_kwargs_is_refused_inside_the_registration(model_p
 def test_sparse_policy_reads_fewer_values_in_decode(model_path, book_ids, own):
     """``sparse``: decode steps go through the kernel's sparse path (values of fewer packed tokens
     read than scored) and generate; the prompt chunks stay dense."""
-    from kvtier.vllm.backend import sparse_counts
+    from kvtier.vllm.pages.backend import sparse_counts
 
     before = sparse_counts()
     llm = build(model_path, "sparse", max_num_batched_tokens=256)

@@ -11,7 +11,7 @@ from pathlib import Path  # noqa: E402
 from vllm_helpers import BLOCK, PREFIX, block_files, close_llm, generate, make_llm, teacher_nll  # noqa: E402
 
 from kvtier.vllm import kv_transfer_config  # noqa: E402
-from kvtier.vllm.spec import engine_store  # noqa: E402
+from kvtier.vllm.store.spec import engine_store  # noqa: E402
 
 #: RAM budget: the first three prefixes at 4-bit fit (~58 MB), the later ones overfill it
 CPU_BYTES = 64 << 20

@@ -16,7 +16,7 @@ from pathlib import Path  # noqa: E402
 from vllm_helpers import BLOCK, PREFIX, block_files, close_llm, generate, make_llm, teacher_nll  # noqa: E402
 
 from kvtier.vllm import kv_transfer_config  # noqa: E402
-from kvtier.vllm.spec import engine_store  # noqa: E402
+from kvtier.vllm.store.spec import engine_store  # noqa: E402
 
 
 @pytest.fixture(scope="module")

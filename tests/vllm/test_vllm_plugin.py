@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("vllm.v1")
 
 from kvtier.vllm import engine, serve_args  # noqa: E402
-from kvtier.vllm.pages import CONFIG_KEY, get_page_policy, policy_name  # noqa: E402
+from kvtier.vllm.pages.policy import CONFIG_KEY, get_page_policy, policy_name  # noqa: E402
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_selector_gives_kvtier_only_to_engines_that_ask() -> None:
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    from kvtier.vllm.backend import backend_class, selected_backend
+    from kvtier.vllm.pages.backend import backend_class, selected_backend
 
     with set_current_vllm_config(_config({CONFIG_KEY: policy_name(get_page_policy("default"))})):
         assert selected_backend() is backend_class("default")

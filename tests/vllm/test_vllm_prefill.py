@@ -1,6 +1,6 @@
 """Prefill chunks over packed pages through vLLM's own CPU attention or kvtier's bf16 kernel reading
-the pages in place (``kvtier.vllm.prefill``) against kvtier's plain-torch reference
-(``kvtier.vllm.paged.attend_layer``), step by step without an engine: chunks with packed earlier
+the pages in place (``kvtier.vllm.pages.prefill``) against kvtier's plain-torch reference
+(``PagedAttention(fmt, "torch")``), step by step without an engine: chunks with packed earlier
 blocks, side rows, a cached block read in part, beside decode requests of the fused kernel; block
 sizes and chunk lengths off block boundaries."""
 
@@ -13,15 +13,9 @@ import torch  # noqa: E402
 from kvtier.codecs.pages import PageFormat  # noqa: E402
 from kvtier.kernels import prefill_cpu, vllm_paged_cpu  # noqa: E402
 from kvtier.kernels.build import cpu_has_avx512  # noqa: E402
-from kvtier.vllm.paged import (  # noqa: E402
-    SideBuffer,
-    attend_layer,
-    attend_layer_fused,
-    fused_takes,
-    plan_step,
-    update_layer_fused,
-)
-from kvtier.vllm.pages import PagePolicy  # noqa: E402
+from kvtier.vllm.pages.attention import PagedAttention  # noqa: E402
+from kvtier.vllm.pages.paged import SideBuffer, plan_step  # noqa: E402
+from kvtier.vllm.pages.policy import PagePolicy  # noqa: E402
 
 H, HQ, D = 3, 9, 64
 
@@ -40,15 +34,16 @@ pytestmark = pytest.mark.skipif(not vllm_paged_cpu.available(), reason="no C++ b
     ],
 )
 def test_prefill_through_vllm_matches_torch_reference(policy: PagePolicy) -> None:
-    from kvtier.vllm.prefill import VllmPrefill
-
     torch.manual_seed(0)
     T = policy.block_size
     fmt = PageFormat(policy, H, D, torch.bfloat16)
     side = SideBuffer(8, T, H, D, torch.bfloat16)
     pages = torch.zeros(64, fmt.page_bytes, dtype=torch.uint8)
-    pre = VllmPrefill(HQ, H, D, T, torch.bfloat16, fmt)
-    assert pre.paged_kernel == (prefill_cpu.available() and T % 64 == 0 and not policy.sink_tokens)
+    att = PagedAttention.for_engine(fmt, HQ)  # what the metadata builder makes
+    assert att.kernel.name == "cpp" and att.prefill is not None
+    assert att.prefill_paged == (prefill_cpu.available() and T % 64 == 0 and not policy.sink_tokens)
+    reference = PagedAttention(fmt, "torch")
+    kernel_only = PagedAttention(fmt, "cpp")  # the same C++ rows, the chunks through the torch reference
     tables = {"a": list(range(1, 8)), "b": list(range(8, 14)), "c": [1, 2, 14, 15, 16]}
     done = {"a": 0, "b": 0, "c": 0}
     steps = [
@@ -74,22 +69,22 @@ def test_prefill_through_vllm_matches_torch_reference(policy: PagePolicy) -> Non
         k = torch.cat([seqs[n][0][done[n] : done[n] + sched[n]] for n in names])
         v = torch.cat([seqs[n][1][done[n] : done[n] + sched[n]] for n in names])
         q = torch.randn(qsl[-1], HQ, D).bfloat16()
-        plan = plan_step(side, qsl, lens, bt, qsl[-1])
+        step = plan_step(side, qsl, lens, bt, qsl[-1])
         layer = side.layer("l0")
-        ref = attend_layer(fmt, plan, pages, layer, q, k, v, D**-0.5)
-        out = torch.full((qsl[-1], HQ, D), float("nan"), dtype=torch.bfloat16)
-        attend_layer_fused(fmt, plan, pages, layer, q, k, v, D**-0.5, out=out, rest=False)
-        plans = pre.plan(plan)
-        assert [p.req for p in plans] == [r for r in plan.requests if not fused_takes(r)]
-        assert len(plans) <= sum(s > 16 for s in sched.values())
-        for p in plans:  # the path is decided in plan: vLLM's tensors only for vLLM's kernel
+        ref = reference.run(reference.plan(step), pages, layer, q, k, v, D**-0.5)
+        plan = att.plan(step)
+        left = kernel_only.plan(step).rest
+        assert [p.req for p in plan.prefill] == ([r for r, _ in left["reqs"]] if left else [])
+        assert plan.kernel == kernel_only.plan(step).kernel and plan.rest is None
+        assert len(plan.prefill) <= sum(s > 16 for s in sched.values())
+        for p in plan.prefill:  # the path is decided in plan: vLLM's tensors only for vLLM's kernel
             exact = not (p.req.packed or p.req.head_rows)
-            in_place = bool(p.req.packed) and not p.req.head_rows and pre.paged_kernel
-            assert p.kvtier_kernel == ((exact and pre.bf16_kernel) or in_place)
+            in_place = bool(p.req.packed) and not p.req.head_rows and att.prefill_paged
+            assert p.kvtier_kernel == ((exact and att.prefill_bf16) or in_place)
             assert (p.pids is not None) == in_place
             assert (p.scheduler_metadata is None) == p.kvtier_kernel
-        for p in plans:
-            pre.attend(fmt, p, pages, layer, q, k, v, D**-0.5, out)
+        out = torch.full((qsl[-1], HQ, D), float("nan"), dtype=torch.bfloat16)
+        att.run(plan, pages, layer, q, k, v, D**-0.5, out=out)
         err = (out.float() - ref).abs()
         # the bf16 output's rounding on top of fp32 error (chunks over packed blocks run in fp32);
         # chunks with no packed block round their probabilities to bf16, in kvtier's bf16 kernel
@@ -100,7 +95,7 @@ def test_prefill_through_vllm_matches_torch_reference(policy: PagePolicy) -> Non
             tol = tol + 2**-7 * ref.abs().amax(-1, keepdim=True)
         assert (err <= tol).all(), (i, err.max().item(), ref.abs().amax().item())
         worst = max(worst, err.max().item())
-        update_layer_fused(fmt, plan, pages, layer, k, v)
+        att.update(plan, pages, layer, k, v)
         for n in names:
             done[n] += sched[n]
     assert worst > 0  # the bf16 paths do differ from the fp32 reference: the comparison is live

@@ -292,7 +292,7 @@ def test_kv_transfer_config_round_trips_through_json():
     cfg = kv_transfer_config("default", cpu_bytes=1 << 30, disk_path="/tmp/x")
     assert cfg.kv_connector == "OffloadingConnector"
     extra = cfg.kv_connector_extra_config
-    assert extra["spec_module_path"] == "kvtier.vllm.spec"
+    assert extra["spec_module_path"] == "kvtier.vllm.store.spec"
     assert StoreConfig.from_extra(extra) == StoreConfig("default", 1 << 30, "/tmp/x")
     text = kv_transfer_config(StorePolicy(bits=6, cold_bits=None), cpu_bytes=1 << 30, as_json=True)
     back = StoreConfig.from_extra(json.loads(text)["kv_connector_extra_config"])
@@ -305,7 +305,7 @@ def test_import_kvtier_vllm_pulls_no_transformers_adapter():
 
     code = (
         "import sys, kvtier; assert 'vllm' not in sys.modules and 'kvtier.vllm' not in sys.modules; "
-        "import kvtier.vllm, kvtier.vllm.spec; "
+        "import kvtier.vllm, kvtier.vllm.store.spec; "
         "assert not [m for m in sys.modules if m.startswith('kvtier.hf')], 'kvtier.hf imported'; print('ok')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -345,7 +345,7 @@ def test_store_under_multiprocessing_is_refused_when_the_engine_is_built(tmp_pat
 
 
 def test_manager_reports_the_stores_counters_as_vllm_metrics():
-    from kvtier.vllm.spec import _STORES, STORE_COUNTERS, KVTierManager, KVTierOffloadingSpec
+    from kvtier.vllm.store.spec import _STORES, STORE_COUNTERS, KVTierManager, KVTierOffloadingSpec
 
     defined = KVTierOffloadingSpec.build_metric_definitions({})
     assert {name for name, _ in STORE_COUNTERS.values()} <= set(defined) and "vllm:kvtier_store_ram_bytes" in defined

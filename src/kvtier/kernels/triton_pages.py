@@ -2,7 +2,7 @@
 
 The CUDA counterpart of :func:`kvtier.kernels.vllm_paged_cpu.attend` (dense): one layer of one vLLM
 step, every request of it, decode rows and prefill chunks alike. A request reads its full blocks as
-packed pages (:mod:`kvtier.vllm.pages`: keys per channel over ``key_group`` tokens, values per token
+packed pages (:mod:`kvtier.codecs.pages`: keys per channel over ``key_group`` tokens, values per token
 over ``value_group`` channels, fp16 scale and zero, ``sink_tokens`` exact rows at the start of each
 page; codes of any width in bit planes, :mod:`kvtier.quant.bits`), optionally the first rows of one
 cached block read in part, then the exact rows of its partly filled block (side slot) and its own
@@ -17,8 +17,10 @@ units ``s, s + S, ...`` (FlashDecoding's split-K) with an online softmax each, a
 combines the splits' normalized partials by log-sum-exp and writes vLLM's output rows in place.
 
 The page layout arrives as :meth:`kvtier.codecs.pages.PageFormat.layout`'s ints plus the key code
-width. The torch path :func:`kvtier.vllm.paged.attend_layer` is the reference
-(``tests/test_vllm_triton.py`` runs this kernel on the CPU through Triton's interpreter). Imports
+width. The torch backend of :class:`kvtier.vllm.pages.attention.PagedAttention` is the reference
+(``tests/test_vllm_pages.py`` runs this kernel on the CPU through Triton's interpreter). **No engine
+path**: kvtier's vLLM backend runs on vLLM's CPU platform only, so no engine calls this kernel; it runs
+as ``PagedAttention(fmt, "triton")`` in tests and in ``benchmarks/gpu_check.py`` (part 5). Imports
 torch, Triton and the code planes of :mod:`.triton_decode`; never vLLM or :mod:`kvtier.vllm`.
 Importing it imports Triton: import it lazily.
 """
@@ -275,7 +277,7 @@ def attend(
     side : ``[slots, T, 2, H, D]`` the layer's side buffer (contiguous).
     pages : uint8 ``[num_blocks, page_bytes]`` the layer's packed pages.
     reqs : int64 ``[R, 6]`` per request: first and end new token, side slot and rows, block read in part
-        and its rows (:func:`kvtier.vllm.paged.kernel_index`'s ``reqs``).
+        and its rows (:class:`kvtier.vllm.pages.attention.TritonPages`'s index).
     pstart : int64 ``[R + 1]``; pids : int64 ``[P]`` the packed pages of request ``r`` are
         ``pids[pstart[r]:pstart[r + 1]]``.
     out : ``[N, Hq, D]`` fp32 or the model dtype; rows of the listed requests are written.

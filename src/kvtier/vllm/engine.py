@@ -13,7 +13,8 @@ serve`` (and engines in processes of their own), kvtier's ``vllm.general_plugins
 (:func:`kvtier.vllm.plugin.register`, loaded by vLLM in each of its processes) registers a
 per-engine selector, :data:`SELECT_PATH`: an engine whose ``additional_config`` names a kvtier
 policy (the flags of :func:`serve_args`) gets kvtier's backend, every other engine vLLM's own
-``CPU_ATTN`` class. Imports vLLM only inside functions; :mod:`.pages` otherwise.
+``CPU_ATTN`` class. Imports vLLM only inside functions; :mod:`.pages.policy` and
+:mod:`kvtier.codecs.pages` otherwise.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..codecs.pages import PageFormat
-from .pages import CONFIG_KEY, SELECT, PagePolicy, get_page_policy, policy_name
+from .pages.policy import CONFIG_KEY, SELECT, PagePolicy, get_page_policy, policy_name
 
-#: class path of the per-engine backend selector (:func:`kvtier.vllm.backend.selected_backend`)
-SELECT_PATH = f"kvtier.vllm.backend.{SELECT}"
+#: class path of the per-engine backend selector (:func:`kvtier.vllm.pages.backend.selected_backend`)
+SELECT_PATH = f"kvtier.vllm.pages.backend.{SELECT}"
 
 #: what the ``vllm serve`` plugin registered for ``CPU_ATTN`` in this process (None: not loaded);
 #: :func:`attention_backend` restores it on exit when nothing was registered before it
@@ -84,7 +85,7 @@ def attention_backend(policy: str | PagePolicy = "default"):
     from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum, register_backend
 
-    from .backend import backend_class
+    from .pages.backend import backend_class
 
     cls = backend_class(policy)
     member = AttentionBackendEnum.CPU_ATTN

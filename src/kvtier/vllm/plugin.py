@@ -4,7 +4,7 @@ vLLM runs an engine's core in a process of its own (``vllm serve`` always), wher
 registration of :func:`kvtier.vllm.engine.attention_backend` in the parent does not exist. vLLM
 calls every ``vllm.general_plugins`` entry point in each process it starts; :func:`register`
 points ``CPU_ATTN`` at kvtier's per-engine selector (:data:`kvtier.vllm.engine.SELECT_PATH`,
-resolved by :func:`kvtier.vllm.backend.selected_backend` while an engine picks its backend): an
+resolved by :func:`kvtier.vllm.pages.backend.selected_backend` while an engine picks its backend): an
 engine whose ``additional_config`` names a kvtier policy gets kvtier's packed pages, every other
 engine vLLM's own ``CPU_ATTN`` class, so installing kvtier changes no engine that does not ask::
 

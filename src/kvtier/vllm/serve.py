@@ -93,7 +93,7 @@ def plan_serve(
         config = kv_transfer_config(store, disk_path=disk, disk_bytes=disk_bytes, as_json=True, **extra)
         ours += ["--kv-transfer-config", config]
         # the store lives in vLLM's scheduler process: the engine core must run in this process's
-        # child, not in a process of its own (refused at build otherwise, see kvtier.vllm.spec)
+        # child, not in a process of its own (refused at build otherwise, see kvtier.vllm.store.spec)
         if environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise ValueError(
                 "--store needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (the store lives in vLLM's scheduler process); "

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..codecs import KBitCodec
-from ..errors import KVTierError
-from ..quant import rotation, unpack_words
+from ...codecs import KBitCodec
+from ...errors import KVTierError
+from ...quant import rotation, unpack_words
 
 MAGIC = b"KVTB"
 VERSION = 1

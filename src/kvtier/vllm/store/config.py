@@ -3,7 +3,7 @@
 The store's settings travel inside vLLM's ``KVTransferConfig.kv_connector_extra_config`` (plain
 JSON, so the same dict works for ``vllm serve --kv-transfer-config``) and are validated again
 where vLLM builds the spec (:meth:`StoreConfig.from_extra`). Imports vLLM only inside
-:func:`kv_transfer_config`; ``kvtier.vllm.policy`` otherwise.
+:func:`kv_transfer_config`; :mod:`.policy` otherwise.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 from .policy import POLICIES, StorePolicy, get_store_policy
 
 SPEC_NAME = "KVTierOffloadingSpec"
-SPEC_MODULE = "kvtier.vllm.spec"
+SPEC_MODULE = "kvtier.vllm.store.spec"
 _PREFIX = "kvtier_"
 
 
@@ -27,7 +27,7 @@ class StoreConfig:
 
     Attributes
     ----------
-    policy : preset name (see :data:`kvtier.vllm.policy.POLICIES`) or a :class:`StorePolicy`.
+    policy : preset name (see :data:`kvtier.vllm.store.policy.POLICIES`) or a :class:`StorePolicy`.
     cpu_bytes : host RAM budget of the stored records (bytes, > 0).
     disk_path : folder for write-through block files that outlive the process, or None.
     disk_bytes : budget of the block files in ``disk_path`` (least recently used removed), or None.

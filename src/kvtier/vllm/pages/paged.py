@@ -4,7 +4,7 @@ vLLM hands an attention backend, once per step, the requests of the batch: where
 tokens sit in the flat batch (``query_start_loc``), its length after the step (``seq_lens``) and
 its block table. A request of length ``L`` with ``q`` new tokens has ``c = L - q`` tokens from
 earlier steps; with ``T`` tokens per block its blocks before column ``c // T`` are full and
-packed (:mod:`.pages`), and the block at that column, when ``c % T != 0``, is partly filled: its
+packed (:mod:`kvtier.codecs.pages`), and the block at that column, when ``c % T != 0``, is partly filled: its
 first ``c % T`` tokens are exact in a *side buffer* slot (KIVI's residual). The new tokens are
 attended exact from the step's own K/V. After a layer attends, the blocks that this step fills
 are packed into their pages (once: a page is never rewritten while it is read) and the tokens
@@ -12,20 +12,14 @@ of blocks still partial are written into the side buffer.
 
 :class:`SideBuffer` is the bookkeeping (block id -> slot, plain Python) and the per-layer exact
 tensors ``[slots, T, 2, H, D]``; :func:`plan_step` turns one step's metadata into a
-:class:`StepPlan` (pure Python over lists, run once per step, shared by every layer);
-:func:`attend_layer` and :func:`update_layer` run one layer of it in plain torch (decode the
-request's pages, one SDPA call per request; the oracle every faster path is tested against).
-:func:`attend_layer_fused` and :func:`update_layer_fused` are the same in one C++ call each
-(:mod:`kvtier.kernels.vllm_paged_cpu`, index tensors made once per step by :func:`kernel_index`):
-decode requests over the pages, the side buffer and the new K/V read in place, vLLM's output
-written in place; blocks packed and side rows written in C++. Prefill chunks go through the torch
-path here, or through vLLM's own kernels in the backend (:mod:`.prefill`). On CUDA tensors
-:func:`attend_layer_triton` attends every request of a step in one Triton launch
-(:mod:`kvtier.kernels.triton_pages`) and :func:`update_layer` packs in torch. With
-``PagePolicy.sparse_mass``, decode requests (at most ``SPARSE_MAX_QUERY`` new tokens) read the values
-of only the packed tokens :func:`select_packed` keeps (both paths).
-May import torch, :mod:`.pages`, the partials merge of :mod:`kvtier.attention.partials` and (lazily)
-:mod:`kvtier.kernels.vllm_paged_cpu` / :mod:`kvtier.kernels.triton_pages`; never vLLM.
+:class:`StepPlan` (pure Python over lists, run once per step, shared by every layer). The plain
+torch path of one layer is here too: :func:`attend_request` (decode a request's pages, one SDPA call)
+and :func:`update_pages` (pack the blocks a step fills, write the side rows), the oracle every faster
+path is tested against. Which path attends which request is decided by
+:meth:`kvtier.vllm.pages.attention.PagedAttention.plan`, which runs these as its torch backend. With
+``PagePolicy.sparse_mass``, decode requests read the values of only the packed tokens
+:func:`select_packed` keeps. May import torch, the partials merge of :mod:`kvtier.attention.partials`
+and the page format of :mod:`kvtier.codecs.pages`; never vLLM or the kernels.
 """
 
 from __future__ import annotations
@@ -35,10 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention.partials import Partial, merge
-from ..codecs.pages import PageFormat
-from ..errors import KVTierError
-from .pages import SPARSE_MAX_QUERY
+from ...attention.partials import Partial, merge
+from ...codecs.pages import PageFormat
+from ...errors import KVTierError
 
 
 class SideSlotLost(KVTierError):
@@ -148,10 +141,6 @@ class StepPlan:
     #: side rows written after attention (slot * T + offset) and the batch token of each
     write_rows: torch.Tensor | None = None
     write_tokens: torch.Tensor | None = None
-    #: the fused kernel's index tensors (:func:`kernel_index`), built once per step
-    index: dict[str, torch.Tensor] | None = None
-    #: the Triton kernel's (:func:`triton_index`), on its device
-    triton: dict | None = None
 
 
 def plan_step(
@@ -205,7 +194,7 @@ def plan_step(
                 slot = side.slot_of.get(b, -1) if start else -1
                 plan.encode_blocks.append(b)
                 plan.encode_src.append((slot, start, first_new))
-                side.release(b)  # its rows are read before any write of this step (update_layer)
+                side.release(b)  # its rows are read before any write of this step (update_pages)
             else:
                 slot = side.touch(b) if start else side.assign(b, busy)
                 if slot is None:
@@ -216,42 +205,6 @@ def plan_step(
     plan.write_rows = torch.tensor(rows, dtype=torch.long)
     plan.write_tokens = torch.tensor(toks, dtype=torch.long)
     return plan
-
-
-def _causal_mask(q: int, n: int) -> torch.Tensor | None:
-    """bool ``[q, n]``: the last ``q`` of ``n`` positions attend themselves and everything before."""
-    if q == 1:
-        return None
-    return torch.ones(q, n, dtype=torch.bool).tril(n - q)
-
-
-@torch.no_grad()
-def attend_layer(
-    fmt: PageFormat,
-    plan: StepPlan,
-    pages: torch.Tensor,
-    side: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """One layer's attention for every request of the step, in fp32.
-
-    Parameters
-    ----------
-    pages : uint8 ``[num_blocks, page_bytes]``, this layer's packed pages.
-    side : ``[slots, T, 2, H, D]`` this layer's side buffer.
-    query : ``[N, Hq, D]``; key, value : ``[N, H, D]`` (the step's new tokens).
-
-    Returns
-    -------
-    ``[N, Hq, D]`` fp32.
-    """
-    out = torch.empty(query.shape, dtype=torch.float32)
-    for req in plan.requests:
-        out[req.qs : req.qe] = _attend_request(fmt, req, pages, side, query, key, value, scale)
-    return out
 
 
 def _packed_kv(fmt: PageFormat, req: RequestPlan, pages: torch.Tensor, H: int, D: int):  # noqa: ANN202
@@ -269,7 +222,8 @@ def _packed_kv(fmt: PageFormat, req: RequestPlan, pages: torch.Tensor, H: int, D
     return ks, vs
 
 
-def _attend_request(
+@torch.no_grad()
+def attend_request(
     fmt: PageFormat,
     req: RequestPlan,
     pages: torch.Tensor,
@@ -278,17 +232,26 @@ def _attend_request(
     key: torch.Tensor,
     value: torch.Tensor,
     scale: float,
+    sparse: bool = False,
 ) -> torch.Tensor:
-    """``[q, Hq, D]`` fp32: one request's new tokens over its decoded pages and exact rows (SDPA);
-    with ``PagePolicy.sparse_mass`` and at most ``SPARSE_MAX_QUERY`` new tokens, the packed tokens
-    through :func:`select_packed` (kept weights renormalized), the exact rows dense."""
+    """``[q, Hq, D]`` fp32: one request's new tokens over its decoded pages and exact rows (SDPA), in
+    plain torch: the reference every faster path is tested against.
+
+    Parameters
+    ----------
+    pages : uint8 ``[num_blocks, page_bytes]``, this layer's packed pages.
+    side : ``[slots, T, 2, H, D]`` this layer's side buffer.
+    query : ``[N, Hq, D]``; key, value : ``[N, H, D]`` (the step's new tokens).
+    sparse : sparse decode (``PagePolicy.sparse_mass``; decided per request by the plan): the packed
+        tokens through :func:`select_packed` (kept weights renormalized), the exact rows dense.
+    """
     H, D = key.shape[1:]
     Hq = query.shape[1]
     q = query[req.qs : req.qe].float().transpose(0, 1).contiguous()  # [Hq, n, D]
     n, G = q.shape[1], Hq // H
     parts = []  # (out [Hq, n, D], lse [Hq, n]) of each part of the request's keys
     ks, vs = _packed_kv(fmt, req, pages, H, D)
-    if ks and fmt.policy.sparse_mass is not None and n <= SPARSE_MAX_QUERY:
+    if ks and sparse:
         parts.append(_sparse_packed(fmt, req, q.view(H, G * n, D), torch.cat(ks, 1), torch.cat(vs, 1), scale))
         ks, vs = [], []
     if req.side_rows:
@@ -347,188 +310,12 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
     return out[0], lse[0]
 
 
-#: requests with more new tokens than this attend through SDPA (prefill chunks: compute-bound, BLAS
-#: wins); the others (decode) through the fused kernel, which reads the packed pages once
-KERNEL_MAX_QUERY = 16
-
-#: new tokens up to which a chunk *over packed earlier blocks* also goes through the fused kernel,
-#: which reads the pages in place (fp32, like the reference): 2.0-2.4x / 1.3-1.6x / 1.16-1.23x as
-#: fast as decoding the pages for vLLM's fp32 kernel (:mod:`.prefill`) for 17 / 32 / 48 new tokens
-#: over 2k packed tokens, 0.91-0.93x at 64 (2 threads, two runs of ``benchmarks/vllm_chunk_path.py``);
-#: longer chunks, and chunks with no packed block (kvtier's bf16 prefill kernel), go to :mod:`.prefill`.
-KERNEL_MAX_CHUNK = 48
-
-
-def fused_takes(req: RequestPlan) -> bool:
-    """Whether the fused kernel attends request ``req`` of a step (else :mod:`.prefill` does)."""
-    n = req.qe - req.qs
-    return n <= KERNEL_MAX_QUERY or (bool(req.packed or req.head_rows) and n <= KERNEL_MAX_CHUNK)
-
-
-def _request_index(requests: list[RequestPlan]) -> tuple[list, list[int], list[int]]:
-    """Per request ``(qs, qe, side slot, side rows, block read in part, its rows)``, and the packed
-    blocks of all of them as ``pstart`` offsets into ``pids`` (the kernels' index lists)."""
-    rows, pstart, pids = [], [0], []
-    for req in requests:
-        pids.extend(req.packed)
-        pstart.append(len(pids))
-        side_slot = req.side_slot if req.side_rows else 0
-        rows.append((req.qs, req.qe, side_slot, req.side_rows, max(req.head_block, 0), req.head_rows))
-    return rows, pstart, pids
-
-
-def _long(x: list, n: int = 0, device: torch.device | None = None) -> torch.Tensor:
-    t = torch.tensor(x, dtype=torch.long, device=device)
-    return t.view(-1, n) if n else t
-
-
-def kernel_index(plan: StepPlan) -> dict:
-    """Index tensors of the fused kernels for ``plan`` (built once per step, cached on it): the
-    requests :func:`fused_takes` (``reqs [R, 6]``: new tokens,
-    side slot and rows, cached block read in part and its rows; their packed blocks ``pstart``,
-    ``pids``), the other requests (``rest``), the blocks to pack (``enc [E, 4]``: page, side slot,
-    side rows, first new token) and the side writes (``writes [W, 2]``: side row, new token)."""
-    if plan.index is None:
-        taken = [req for req in plan.requests if fused_takes(req)]
-        reqs, pstart, pids = _request_index(taken)
-        enc = [(b, max(slot, 0), start, first) for b, (slot, start, first) in zip(plan.encode_blocks, plan.encode_src)]
-        writes = torch.stack((plan.write_rows, plan.write_tokens), 1) if plan.write_rows is not None else _long([], 2)
-        plan.index = {
-            "reqs": _long(reqs, 6),
-            "pstart": _long(pstart),
-            "pids": _long(pids),
-            "rest": [req for req in plan.requests if not fused_takes(req)],
-            "enc": _long(enc, 4),
-            "writes": writes.contiguous(),
-        }
-    return plan.index
-
-
-def triton_index(plan: StepPlan, device: torch.device) -> dict:
-    """Index tensors of :func:`attend_layer_triton` on ``device`` (every request of the step; built
-    once per step): ``reqs``, ``pstart``, ``pids`` as in :func:`kernel_index`, and the host ints
-    ``max_query`` (most new tokens of a request) and ``max_units`` (most pages of a request + 2)."""
-    if plan.triton is None or plan.triton["reqs"].device != device:
-        reqs, pstart, pids = _request_index(plan.requests)
-        plan.triton = {
-            "reqs": _long(reqs, 6, device),
-            "pstart": _long(pstart, 0, device),
-            "pids": _long(pids, 0, device),
-            "max_query": max((r.qe - r.qs for r in plan.requests), default=0),
-            "max_units": max((len(r.packed) + 2 for r in plan.requests), default=1),
-        }
-    return plan.triton
-
-
-def _check_kernel_codes(fmt: PageFormat) -> None:
-    if not fmt.policy.kernel_codes:
-        raise ValueError(
-            f"the C++ page kernels read 4-bit keys with 4- or 3-bit values, not bits={fmt.policy.bits} / "
-            f"value_bits={fmt.policy.vbits}: use attend_layer / update_layer"
-        )
-
-
 @torch.no_grad()
-def attend_layer_fused(
-    fmt: PageFormat,
-    plan: StepPlan,
-    pages: torch.Tensor,
-    side: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    rest: bool = True,
-    counts: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`attend_layer` through the fused CPU kernel (same arguments, same result to fp32 rounding),
-    written into ``out [N, Hq, D]`` when given (fp32 or the model dtype: vLLM's output rows) and
-    returned. ``query, key, value`` are read in place (rows contiguous), the side buffer too.
-    ``rest=False`` leaves the rows of the requests the kernel does not take (prefill chunks, see
-    :func:`kernel_index`) to the caller; otherwise they go through the torch path. ``counts``
-    (int64 ``[2]``): incremented by the tokens valued and scored under sparse decode."""
-    from ..kernels import vllm_paged_cpu
-
-    _check_kernel_codes(fmt)
-    idx = kernel_index(plan)
-    if out is None:
-        out = torch.empty(query.shape, dtype=torch.float32)
-    if idx["reqs"].shape[0]:
-        p = fmt.policy
-        vllm_paged_cpu.attend(
-            query,
-            key,
-            value,
-            side,
-            pages,
-            idx["reqs"],
-            idx["pstart"],
-            idx["pids"],
-            out,
-            scale,
-            fmt.layout(),
-            1.0 if p.sparse_mass is None else p.sparse_mass,
-            p.local_window,
-            SPARSE_MAX_QUERY,
-            counts,
-        )
-    for req in idx["rest"] if rest else ():
-        out[req.qs : req.qe] = _attend_request(fmt, req, pages, side, query, key, value, scale)
-    return out
-
-
-@torch.no_grad()
-def attend_layer_triton(
-    fmt: PageFormat,
-    plan: StepPlan,
-    pages: torch.Tensor,
-    side: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    num_splits: int | None = None,
-) -> torch.Tensor:
-    """:func:`attend_layer` through the Triton kernel (:mod:`kvtier.kernels.triton_pages`): every request
-    of the step, decode rows and prefill chunks, pages of any :data:`~kvtier.vllm.pages.PAGE_BITS` codes,
-    in one launch (plus a merge); for CUDA tensors (on the CPU under Triton's interpreter). Same
-    arguments and result as :func:`attend_layer` to fp32 rounding; written into ``out [N, Hq, D]``
-    (fp32 or the model dtype) when given. Dense: a ``sparse_mass`` policy is refused."""
-    from ..kernels import triton_pages
-
-    if fmt.policy.sparse_mass is not None:
-        raise ValueError("the Triton page kernel attends densely: PagePolicy.sparse_mass has no Triton path")
-    idx = triton_index(plan, query.device)
-    if out is None:
-        out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
-    return triton_pages.attend(
-        query, key, value, side, pages, idx["reqs"], idx["pstart"], idx["pids"], out, scale, fmt.layout(),
-        fmt.policy.bits, max_query=idx["max_query"], max_units=idx["max_units"], num_splits=num_splits,
-    )  # fmt: skip
-
-
-@torch.no_grad()
-def update_layer_fused(
-    fmt: PageFormat, plan: StepPlan, pages: torch.Tensor, side: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-) -> None:
-    """:func:`update_layer` in one C++ call (pages of :attr:`PagePolicy.kernel_codes
-    <kvtier.vllm.pages.PagePolicy.kernel_codes>`): the same page bytes and side rows."""
-    from ..kernels import vllm_paged_cpu
-
-    _check_kernel_codes(fmt)
-    idx = kernel_index(plan)
-    if idx["enc"].shape[0] or idx["writes"].shape[0]:
-        vllm_paged_cpu.update(pages, side, key, value, idx["enc"], idx["writes"], fmt.layout())
-
-
-@torch.no_grad()
-def update_layer(
+def update_pages(
     fmt: PageFormat, plan: StepPlan, pages: torch.Tensor, side: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> None:
     """Pack the blocks this step fills into ``pages``, then write the other new tokens into ``side``
-    (after :func:`attend_layer`: a slot released this step may be reused by a block started now)."""
+    (after attention: a slot released this step may be reused by a block started now), in torch."""
     T = fmt.tokens
     if plan.encode_blocks:
         ks, vs = [], []

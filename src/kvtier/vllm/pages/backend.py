@@ -2,19 +2,21 @@
 
 vLLM's CPU platform always picks ``CPU_ATTN`` for a non-MLA model, so kvtier's backend is
 registered *over* ``CPU_ATTN`` (:func:`kvtier.vllm.engine.attention_backend`, only while an engine
-is built). The backend class is made per :class:`~kvtier.vllm.pages.PagePolicy`
+is built). The backend class is made per :class:`~kvtier.vllm.pages.policy.PagePolicy`
 (:func:`backend_class`) and named after it, so vLLM's registry, which holds class paths, resolves
 the same policy in any process (module ``__getattr__`` rebuilds it from the name).
 
 - ``exact`` (``bits=None``): vLLM's own pages, metadata builder and CPU kernels, unchanged.
 - packed: ``customize_spec`` gives vLLM the packed page bytes (``state_content_bytes``: bytes per
-  head and token), so ``VLLM_CPU_KVCACHE_SPACE`` holds ``exact / packed`` times the blocks; the
-  builder plans each step once (:func:`kvtier.vllm.paged.plan_step`) and the impl attends and
-  packs each layer (:func:`~kvtier.vllm.paged.attend_layer_fused` and
-  :func:`~kvtier.vllm.paged.update_layer_fused`: one C++ call each; their torch references
-  :func:`~kvtier.vllm.paged.attend_layer`, :func:`~kvtier.vllm.paged.update_layer` where it is not built).
-  With ``PagePolicy.value_rotation`` the impl rotates each step's values before they are attended
-  and stored, and rotates the output back after: every other part works in the rotated basis unaware.
+  head and token), so ``VLLM_CPU_KVCACHE_SPACE`` holds ``exact / packed`` times the blocks. The
+  metadata builder makes every path choice of a step, once: the side buffer's bookkeeping
+  (:func:`kvtier.vllm.pages.paged.plan_step`) and which kernel attends each request
+  (:meth:`kvtier.vllm.pages.attention.PagedAttention.plan`, of the engine's
+  :meth:`~kvtier.vllm.pages.attention.PagedAttention.for_engine`: the C++ kernels and the prefill kernels
+  where they are built, else the torch reference). The impl's ``forward`` only runs that plan on each
+  layer (``run``, then ``update``). With ``PagePolicy.value_rotation`` the impl rotates each step's
+  values before they are attended and stored, and rotates the output back after: every other part
+  works in the rotated basis unaware.
 
 This is the one module of kvtier that subclasses vLLM's attention classes; it imports vLLM at
 module level and is imported only by vLLM's registry (or a test in vLLM's venv).
@@ -31,20 +33,11 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder, A
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from ..codecs.pages import PageFormat
-from ..kernels import vllm_paged_cpu
-from ..quant.rotation import rotation
-from .paged import (
-    SideBuffer,
-    StepPlan,
-    attend_layer,
-    attend_layer_fused,
-    plan_step,
-    update_layer,
-    update_layer_fused,
-)
-from .pages import _PREFIX, CONFIG_KEY, SELECT, PagePolicy, get_page_policy, parse_policy_name, policy_name
-from .prefill import PrefillPlan, VllmPrefill
+from ...codecs.pages import PageFormat
+from ...quant.rotation import rotation
+from .attention import PagedAttention, PagedPlan
+from .paged import SideBuffer, plan_step
+from .policy import _PREFIX, CONFIG_KEY, SELECT, PagePolicy, get_page_policy, parse_policy_name, policy_name
 
 _SIDES: weakref.WeakSet[SideBuffer] = weakref.WeakSet()
 _IMPLS: weakref.WeakSet = weakref.WeakSet()
@@ -64,14 +57,13 @@ def side_buffer_bytes() -> int:
 
 @dataclass
 class KVTierMetadata:
-    """One step's metadata: the plan every layer runs and the engine's side buffer."""
+    """One step's metadata: the engine's attention, the plan every layer runs (every request's path
+    decided) and the engine's side buffer."""
 
-    plan: StepPlan
+    attention: PagedAttention
+    plan: PagedPlan
     side: SideBuffer
     num_actual_tokens: int
-    #: the step's prefill chunks through vLLM's CPU attention (None: through kvtier's torch path)
-    prefill: list[PrefillPlan] | None = None
-    prefiller: VllmPrefill | None = None
 
 
 class _PagedBuilder(AttentionMetadataBuilder[KVTierMetadata]):
@@ -95,27 +87,24 @@ class _PagedBuilder(AttentionMetadataBuilder[KVTierMetadata]):
             slots, kv_cache_spec.block_size, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, kv_cache_spec.dtype
         )
         _SIDES.add(self.side)
-        self.prefill = None
-        if self.policy.kernel_codes and vllm_paged_cpu.available():  # the fused path: prefill chunks through vLLM
-            spec = kv_cache_spec
-            heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
-            fmt = PageFormat(self.policy, spec.num_kv_heads, spec.head_size, spec.dtype)
-            self.prefill = VllmPrefill(heads, spec.num_kv_heads, spec.head_size, spec.block_size, spec.dtype, fmt)
+        spec = kv_cache_spec
+        heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+        fmt = PageFormat(self.policy, spec.num_kv_heads, spec.head_size, spec.dtype)
+        self.attention = PagedAttention.for_engine(fmt, heads)  # the kernels, chosen once per engine
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> KVTierMetadata:
         m = common_attn_metadata
         n = m.num_reqs
-        plan = plan_step(
+        step = plan_step(
             self.side,
             m.query_start_loc_cpu[: n + 1].tolist(),
             m.seq_lens[:n].tolist(),
             m.block_table_tensor[:n],
             m.num_actual_tokens,
         )
-        prefill = self.prefill.plan(plan) if self.prefill is not None else None
-        return KVTierMetadata(plan, self.side, m.num_actual_tokens, prefill, self.prefill)
+        return KVTierMetadata(self.attention, self.attention.plan(step), self.side, m.num_actual_tokens)
 
 
 class _PagedImpl(AttentionImpl):
@@ -153,8 +142,10 @@ class _PagedImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = None
         self.attn_type = attn_type
         self.sinks = None
-        self.fmt: PageFormat | None = None
         self.rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # (R, R.T) fp32 [D, D]
+        if self.policy.value_rotation:
+            r = rotation(head_size)
+            self.rotation = (r, r.T.contiguous())
         self.counts = torch.zeros(2, dtype=torch.long) if self.policy.sparse_mass is not None else None
         _IMPLS.add(self)
 
@@ -175,36 +166,23 @@ class _PagedImpl(AttentionImpl):
         if attn_metadata is None:  # warm-up
             return output
         n = attn_metadata.num_actual_tokens
-        if self.fmt is None:
-            self.fmt = PageFormat(self.policy, self.num_kv_heads, self.head_size, key.dtype)
-            self.fused = self.policy.kernel_codes and vllm_paged_cpu.available()
-            self.update = update_layer_fused if self.fused else update_layer
-            if self.policy.value_rotation:
-                r = rotation(self.head_size)
-                self.rotation = (r, r.T.contiguous())
+        att, plan = attn_metadata.attention, attn_metadata.plan
+        fmt = att.fmt
         pages = kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)
-        if pages.shape[1] != self.fmt.page_bytes or not kv_cache.is_contiguous():
+        if pages.shape[1] != fmt.page_bytes or not kv_cache.is_contiguous() or key.dtype != fmt.dtype:
             raise RuntimeError(
-                f"vLLM gave pages {tuple(kv_cache.shape)}: expected {self.fmt.page_bytes} contiguous bytes"
+                f"vLLM gave pages {tuple(kv_cache.shape)} and keys in {key.dtype}: expected {fmt.page_bytes} "
+                f"contiguous bytes and {fmt.dtype}"
             )
         side = attn_metadata.side.layer(layer.layer_name)
-        plan = attn_metadata.plan
         q, k, v = query[:n], key[:n], value[:n]
         out = output[:n].view(n, self.num_heads, self.head_size)
         if self.rotation is not None:  # values live in the rotated basis (PagePolicy.value_rotation)
             v = torch.matmul(v.float(), self.rotation[0]).to(v.dtype)
-        if self.fused:  # written straight into vLLM's output
-            pre = attn_metadata.prefill
-            attend_layer_fused(
-                self.fmt, plan, pages, side, q, k, v, self.scale, out=out, rest=pre is None, counts=self.counts
-            )
-            for p in pre or ():
-                attn_metadata.prefiller.attend(self.fmt, p, pages, side, q, k, v, self.scale, out)
-        else:
-            out.copy_(attend_layer(self.fmt, plan, pages, side, q, k, v, self.scale))
+        att.run(plan, pages, side, q, k, v, self.scale, out=out, counts=self.counts)  # into vLLM's output
         if self.rotation is not None:  # the output back from the rotated basis
             out.copy_(torch.matmul(out.float(), self.rotation[1]))
-        self.update(self.fmt, plan, pages, side, k, v)
+        att.update(plan, pages, side, k, v)
         return output
 
 
@@ -286,8 +264,8 @@ def selected_backend() -> type:
 
 
 def __getattr__(name: str):  # noqa: ANN202
-    """Resolve a backend class path (``kvtier.vllm.backend.<policy_name>``, or the per-engine
-    selector ``kvtier.vllm.backend.KVTierSelect``) in any process."""
+    """Resolve a backend class path (``kvtier.vllm.pages.backend.<policy_name>``, or the per-engine
+    selector ``kvtier.vllm.pages.backend.KVTierSelect``) in any process."""
     if name == SELECT:
         return selected_backend()
     if name.startswith(_PREFIX):

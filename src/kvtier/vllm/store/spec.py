@@ -6,7 +6,7 @@ asks an ``OffloadingSpec`` for two objects: a scheduler-side ``OffloadingManager
 prepare/complete load and store, keyed by ``OffloadKey`` = block hash + group) and a worker-side
 ``OffloadingWorker`` (``submit_store``/``submit_load``/``get_finished``/``wait`` over per-layer int8
 page views ``(num_blocks, page_bytes)``). :class:`KVTierOffloadingSpec` gives both over one
-:class:`kvtier.vllm.store.PrefixStore`, shared through :func:`engine_store` by the scheduler and
+:class:`kvtier.vllm.store.prefix.PrefixStore`, shared through :func:`engine_store` by the scheduler and
 the worker of an engine: with one worker (``tensor_parallel_size=1``, vLLM's in-process ``uni``
 executor) both live in the engine-core process. The CPU platform switches that executor to ``mp``
 (a worker process) unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; GPU platforms keep ``uni``.
@@ -21,11 +21,12 @@ run on the store's worker thread.
 
 Failure: vLLM's offloading worker asserts that every transfer succeeded (``get_finished``), so a
 load cannot fail after lookup said hit. Every check therefore happens at lookup (block files are
-read and verified there, see :mod:`kvtier.vllm.store`); loads read records already checked and
+read and verified there, see :mod:`kvtier.vllm.store.prefix`); loads read records already checked and
 pinned in RAM. A failed store only makes a future miss.
 
-Imports vLLM (this module is loaded by vLLM, or through :mod:`kvtier.vllm.config`), torch and
-``kvtier.vllm``; never transformers or ``kvtier.hf``.
+Imports vLLM (this module is loaded by vLLM, or through :mod:`kvtier.vllm.store.config`), torch,
+``kvtier.errors`` and the store's own modules (:mod:`.blocks`, :mod:`.config`, :mod:`.prefix`);
+never :mod:`kvtier.vllm.pages`, transformers or ``kvtier.hf``.
 """
 
 from __future__ import annotations
@@ -64,11 +65,11 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ..errors import KVTierError
+from ...errors import KVTierError
 from .blocks import BlockFormat
 from .config import StoreConfig
 from .policy import get_store_policy
-from .store import PrefixStore
+from .prefix import PrefixStore
 
 logger = logging.getLogger(__name__)
 
@@ -326,8 +327,8 @@ class KVTierWorker(OffloadingWorker):
 def _packed_pages(vllm_config, heads: int, head_dim: int, dtype: torch.dtype) -> tuple[str, int] | None:  # noqa: ANN001
     """``(page policy name, bytes per page)`` where the engine attends through kvtier's packed pages
     (its ``additional_config`` names a packed page policy), else None."""
-    from ..codecs.pages import PageFormat
-    from .pages import CONFIG_KEY, parse_policy_name
+    from ...codecs.pages import PageFormat
+    from ..pages.policy import CONFIG_KEY, parse_policy_name
 
     name = (vllm_config.additional_config or {}).get(CONFIG_KEY)
     if name is None:

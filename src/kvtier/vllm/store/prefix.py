@@ -1,7 +1,7 @@
 """The prefix store: compressed KV blocks keyed by vLLM block hashes, in host RAM and on disk.
 
 :class:`PrefixStore` owns every offloaded block of one vLLM engine. Blocks are records of
-:mod:`kvtier.vllm.blocks` (``kv: [L, H, 2, T, D]`` encoded, header + crc32), keyed by opaque
+:mod:`kvtier.vllm.store.blocks` (``kv: [L, H, 2, T, D]`` encoded, header + crc32), keyed by opaque
 ``bytes`` (vLLM's ``OffloadKey``: block hash + KV-cache group). Host RAM has a byte budget
 (``cpu_bytes``); when it runs short the least recently used blocks *step down* instead of only
 being evicted: first every block is re-encoded to the policy's colder codec (4-bit -> 3-bit
@@ -24,7 +24,7 @@ Threads: bookkeeping (lookup, pin, reserve, eviction) runs on the caller's threa
 scheduler); encoding, decoding and file writes run on one worker thread owned by the store
 (:meth:`submit`), so compression does not stall the engine step. Only the scheduler's thread
 removes a block or drops its RAM copy, so a block that lookup reported as a hit stays loadable
-until it is pinned. Imports torch, ``kvtier.vllm.blocks``/``policy`` and ``kvtier.errors``; never
+until it is pinned. Imports torch, ``kvtier.vllm.store.blocks``/``policy`` and ``kvtier.errors``; never
 vLLM, transformers or ``kvtier.hf``.
 """
 
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from ..errors import KVTierError
+from ...errors import KVTierError
 from .blocks import BlockCodec, BlockFormat, RecordCorrupt
 from .policy import StorePolicy
 
@@ -72,7 +72,7 @@ class PrefixStore:
 
     Parameters
     ----------
-    policy : codecs and sink tokens (:class:`kvtier.vllm.policy.StorePolicy`).
+    policy : codecs and sink tokens (:class:`kvtier.vllm.store.policy.StorePolicy`).
     fmt : shape and dtype of a block, ``kv: [L, H, 2, T, D]``.
     cpu_bytes : budget of the records held in host RAM.
     disk_path : folder for block files (created); ``None`` keeps blocks in RAM only.
@@ -174,7 +174,7 @@ class PrefixStore:
     def describe(self) -> str:
         """One line for the engine's start: codecs and their bytes vs the exact block, what RAM
         holds, the folder (blocks found, budget, read-only)."""
-        from .. import __version__
+        from ... import __version__
 
         exact = self.fmt.dense_bytes
         dtype = str(self.fmt.dtype).removeprefix("torch.")

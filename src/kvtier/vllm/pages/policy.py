@@ -156,7 +156,7 @@ def get_page_policy(policy: str | PagePolicy) -> PagePolicy:
 #: key of vLLM's ``additional_config`` naming the engine's kvtier backend
 CONFIG_KEY = "kvtier_attention"
 _PREFIX = "KVTierAttention_"
-#: name of the per-engine backend selector in :mod:`kvtier.vllm.backend` (``vllm serve``'s plugin)
+#: name of the per-engine backend selector in :mod:`kvtier.vllm.pages.backend` (``vllm serve``'s plugin)
 SELECT = "KVTierSelect"
 
 
