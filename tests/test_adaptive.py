@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import kvtier
+from builders import adaptive_policy, token_ids
 from conftest import tiny_llama
-from kvtier import AdaptivePolicy, TierPolicy, get_policy
+from kvtier import AdaptivePolicy, get_policy
 from kvtier.attention.backends.cpu import CpuBackend
 from kvtier.attention.partials import exact_partial, merge, packed_partial
 from kvtier.cache.adaptive import allocate
@@ -169,31 +170,15 @@ def test_allocate_greedy_spends_where_error_drops_most():
 
 
 # --- the budget while streaming ------------------------------------------------------------------
-def _policy(bits: float, **kw) -> TierPolicy:
-    base = get_policy("adaptive")
-    return base.replace(
-        hot_tokens=16,
-        sink_tokens=4,
-        block_tokens=16,
-        value_group_size=16,
-        adaptive=AdaptivePolicy(bits=bits, warmup_tokens=64, fit_tokens=256, **kw),
-    )
-
-
 @pytest.fixture(scope="module")
 def llama():
     return tiny_llama(seed=3)
 
 
-def _ids(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 97, (batch, n), generator=g)
-
-
 @pytest.mark.parametrize("bits", [5.0, 6.0])  # head_dim 16: metadata and the hot ring weigh more than at 64
 def test_budget_holds_past_fit_tokens(llama, bits):
-    cache = kvtier.TieredCache(llama.config, _policy(bits))
-    ids = _ids(512)
+    cache = kvtier.TieredCache(llama.config, adaptive_policy(bits))
+    ids = token_ids(512)
     ratios = []
     with kvtier.enable(llama), torch.no_grad():
         for s in range(0, ids.shape[1], 16):
@@ -214,10 +199,10 @@ def test_budget_holds_past_fit_tokens(llama, bits):
 def test_one_long_prompt_is_measured_with_its_queries(llama):
     # the first call attends to exact tokens only (plain SDPA); its queries must still be observed,
     # or a prompt given in one call is allocated by the proxy alone
-    cache = kvtier.TieredCache(llama.config, _policy(5.0))
+    cache = kvtier.TieredCache(llama.config, adaptive_policy(5.0))
     with kvtier.enable(llama), torch.no_grad():
-        llama(_ids(300, seed=1), cache=cache, use_cache=True)
-        llama(_ids(16, seed=2), cache=cache, use_cache=True)
+        llama(token_ids(300, seed=1), cache=cache, use_cache=True)
+        llama(token_ids(16, seed=2), cache=cache, use_cache=True)
     (budget,) = cache.budgets.values()
     assert budget.allocated and all(e.out_energy > 0 for e in budget.errors.values())
 
@@ -231,12 +216,12 @@ def test_adaptive_warm_tier_is_coded_like_its_cold_tier():
 
 
 def test_adaptive_fast_path_matches_reference(llama):
-    ids = _ids(300, seed=5, batch=2)
+    ids = token_ids(300, seed=5, batch=2)
     mask = torch.ones_like(ids)
     mask[1, :7] = 0  # left padding
     logits = {}
     for attention in ("fast", "reference"):
-        cache = kvtier.TieredCache(llama.config, _policy(5.0), attention=attention)
+        cache = kvtier.TieredCache(llama.config, adaptive_policy(5.0), attention=attention)
         with kvtier.enable(llama), torch.no_grad():
             for s in range(0, 296, 37):
                 llama(ids[:, s : s + 37], cache=cache, use_cache=True, attention_mask=mask[:, : s + 37])
@@ -252,8 +237,8 @@ def test_adaptive_decode_plans_the_fused_kernel_over_mixed_widths(llama):
         pytest.skip("the fused C++ kernel did not build here")
     from kvtier.attention.plan import plan_for
 
-    cache = kvtier.TieredCache(llama.config, _policy(4.0, keep=0.5))  # mixed widths on this model
-    ids = _ids(400, seed=8)
+    cache = kvtier.TieredCache(llama.config, adaptive_policy(4.0, keep=0.5))  # mixed widths on this model
+    ids = token_ids(400, seed=8)
     with kvtier.enable(llama), torch.no_grad():
         for s in range(0, 400, 40):
             llama(ids[:, s : s + 40], cache=cache, use_cache=True)
@@ -286,7 +271,7 @@ def test_degrade_stays_under_the_cap_and_keeps_more_tokens_than_evict(llama, pre
     else:
         policy = policy.replace(warm_tokens=512, sparse=None)
     cap = 60_000
-    ids = _ids(800, seed=2)
+    ids = token_ids(800, seed=2)
     evicted = {}
     for on_full in ("evict", "degrade"):
         cache = kvtier.TieredCache(llama.config, policy, max_bytes=cap, on_full=on_full)

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import kvtier
+from builders import adaptive_policy, token_ids
 from conftest import tiny_llama
-from kvtier import AdaptivePolicy, TierPolicy, get_policy
+from kvtier import AdaptivePolicy
 from kvtier.cache.adaptive import attention_mass, select_by_attention
 from kvtier.sizing import ModelShape, estimate
 
@@ -78,31 +79,16 @@ def test_keep_validation(keep, match):
 
 
 # --- streaming -----------------------------------------------------------------------------------
-def _policy(bits: float, keep: float = 0.5) -> TierPolicy:
-    return get_policy("adaptive").replace(
-        hot_tokens=16,
-        sink_tokens=4,
-        block_tokens=16,
-        value_group_size=16,
-        adaptive=AdaptivePolicy(bits=bits, warmup_tokens=64, fit_tokens=256, keep=keep),
-    )
-
-
 @pytest.fixture(scope="module")
 def llama():
     return tiny_llama(seed=3)
 
 
-def _ids(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 97, (batch, n), generator=g)
-
-
 def _stream_within_budget(llama, bits: float, keep: float) -> kvtier.TieredCache:
     """640 tokens in calls of 16; the bytes held after every call from ``fit_tokens`` (256) on are
     at most ``bits`` per element."""
-    cache = kvtier.TieredCache(llama.config, _policy(bits, keep))
-    ids = _ids(640)
+    cache = kvtier.TieredCache(llama.config, adaptive_policy(bits, keep=keep))
+    ids = token_ids(640)
     with kvtier.enable(llama), torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error", kvtier.BudgetWarning)  # a budget that holds does not warn
         for s in range(0, ids.shape[1], 16):
@@ -116,8 +102,8 @@ def _stream_within_budget(llama, bits: float, keep: float) -> kvtier.TieredCache
 @pytest.mark.parametrize("bits,keep,floor", [(2.5, 0.5, 3.44), (3.0, 1.0, 4.25)])
 def test_a_budget_out_of_reach_warns_once_with_what_it_holds(llama, bits, keep, floor):
     # tiny model: sinks + hot ring + the filling block are 36 of fit_tokens=256 tokens, exact
-    cache = kvtier.TieredCache(llama.config, _policy(bits, keep))
-    ids = _ids(640)
+    cache = kvtier.TieredCache(llama.config, adaptive_policy(bits, keep=keep))
+    ids = token_ids(640)
     held = {}
     with kvtier.enable(llama), torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -165,12 +151,12 @@ def _run(llama, policy, ids, mask, attention, step=37):
 
 def test_eviction_fast_path_matches_reference_with_left_padding_and_gqa(llama):
     assert llama.config.num_attention_heads > llama.config.num_key_value_heads  # GQA
-    ids = _ids(600, seed=5, batch=2)
+    ids = token_ids(600, seed=5, batch=2)
     mask = torch.ones_like(ids)
     mask[1, :23] = 0  # left padding
     logits = {}
     for attention in ("fast", "reference"):
-        cache, logits[attention] = _run(llama, _policy(5.0), ids, mask, attention)
+        cache, logits[attention] = _run(llama, adaptive_policy(5.0, keep=0.5), ids, mask, attention)
         assert cache.memory_report().tokens["evicted"] > 0
         for layer in cache.layers:
             # pads never enter cold ahead of real tokens; each row's real tokens come first
@@ -185,12 +171,12 @@ def test_rows_of_a_padded_batch_evict_alone(llama):
     # a row next to a left-padded one keeps exactly the tokens it keeps alone (one candidate width,
     # so the shared allocation cannot differ): no row's queries or pads vote for another row, and
     # the padded row keeps no pads
-    ids = _ids(560, seed=6)
-    other = torch.cat([torch.zeros(1, 32, dtype=ids.dtype), _ids(528, seed=7)], 1)
+    ids = token_ids(560, seed=6)
+    other = torch.cat([torch.zeros(1, 32, dtype=ids.dtype), token_ids(528, seed=7)], 1)
     batch = torch.cat([other, ids])
     mask = torch.ones_like(batch)
     mask[0, :32] = 0
-    policy = _policy(5.0)
+    policy = adaptive_policy(5.0, keep=0.5)
     policy = policy.replace(adaptive=dataclasses.replace(policy.adaptive, widths=(3,)))
     alone_cache, alone = _run(llama, policy, ids, torch.ones_like(ids), "reference", step=16)
     both_cache, both = _run(llama, policy, batch, mask, "reference", step=16)
@@ -205,9 +191,10 @@ def test_rows_of_a_padded_batch_evict_alone(llama):
 
 def test_plan_prices_the_eviction_rung():
     model = tiny_llama(num_hidden_layers=3)
-    policy = _policy(3.5)  # binding from fit_tokens on (at 5 bits the planner's steady state has no cold)
+    # binding from fit_tokens on (at 5 bits the planner's steady state has no cold)
+    policy = adaptive_policy(3.5, keep=0.5)
     cache = kvtier.TieredCache(model.config, policy)
-    ids = _ids(1500, seed=9)
+    ids = token_ids(1500, seed=9)
     with kvtier.enable(model), torch.no_grad():
         for s in range(0, 1500, 100):
             model(ids[:, s : s + 100], cache=cache)
@@ -235,8 +222,8 @@ def test_cache_spec_sets_adaptive_fields():
 def test_one_call_prefill_ends_within_the_budget(llama, keep, bits):
     # every layer but the last settles while the budget still measures (the last one's block ends
     # the warm-up): the call must still end within ``bits``, as a streamed prompt does
-    cache = kvtier.TieredCache(llama.config, _policy(bits, keep))
-    ids = _ids(640, seed=11)
+    cache = kvtier.TieredCache(llama.config, adaptive_policy(bits, keep=keep))
+    ids = token_ids(640, seed=11)
     with kvtier.enable(llama), torch.no_grad():
         llama(ids, cache=cache, use_cache=True)
     rep = cache.memory_report()
@@ -252,8 +239,8 @@ def test_one_call_prefill_ends_within_the_budget(llama, keep, bits):
 def test_a_failed_rebalance_leaves_the_cache_unchanged(llama, monkeypatch):
     from kvtier.cache.state import LayerState
 
-    cache = kvtier.TieredCache(llama.config, _policy(5.0))
-    ids = _ids(640, seed=12)
+    cache = kvtier.TieredCache(llama.config, adaptive_policy(5.0, keep=0.5))
+    ids = token_ids(640, seed=12)
     calls = []
 
     def fail(self):

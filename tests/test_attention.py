@@ -10,35 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from builders import POLICIES, build_layer, mask_for
 from kvtier import TierPolicy
-from kvtier.attention.mask import KVMask
 from kvtier.attention.partials import Partial, merge
 from kvtier.attention.reference import reference_attention
 from kvtier.attention.tiered import tiered_attention
-from kvtier.hf.layer import TieredLayer
 from kvtier.policy import SparsePolicy
-
-
-def build_layer(policy, B, H, D, chunks, pads, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    layer = TieredLayer(policy)
-    total = sum(chunks)
-    keys = torch.randn(B, H, total, D, generator=g) * torch.linspace(0.2, 3, D) + torch.randn(D, generator=g)
-    values = torch.randn(B, H, total, D, generator=g)
-    valid = torch.arange(total)[None, :] >= torch.tensor(pads)[:, None]
-    pos = 0
-    for c in chunks:
-        layer.update(keys[:, :, pos : pos + c], values[:, :, pos : pos + c], kwargs={})
-        pos += c
-        if pos < total:
-            layer.settle(valid[:, :pos])
-    return layer, valid
-
-
-def mask_for(valid, q):
-    B, N = valid.shape
-    padding = None if bool(valid.all()) else valid
-    return KVMask(B, q, N, N - q, 0, padding, True)
 
 
 def check_close(layer, query, mask, scaling=0.3, force=None):
@@ -51,33 +28,6 @@ def check_close(layer, query, mask, scaling=0.3, force=None):
     assert torch.isfinite(fast).all()
     assert err_fast <= 2 * err_ref + 1e-5, (err_fast, err_ref)
     return fast
-
-
-POLICIES = {
-    "int4+sign": TierPolicy(
-        hot_tokens=9, warm_tokens=14, block_tokens=7, sink_tokens=3, value_group_size=4, layer_overrides={}
-    ),
-    "int2+int3": TierPolicy(
-        hot_tokens=5,
-        warm_tokens=10,
-        block_tokens=5,
-        warm_bits=2,
-        cold="quant",
-        cold_bits=3,
-        sink_tokens=2,
-        value_group_size=6,
-        layer_overrides={},
-    ),
-    "int6+rot": TierPolicy(
-        hot_tokens=8, warm_tokens=16, block_tokens=8, warm_bits=6, cold_rotation=True, sink_tokens=0, layer_overrides={}
-    ),
-    "int8+evict": TierPolicy(
-        hot_tokens=4, warm_tokens=9, block_tokens=3, warm_bits=8, cold="evict", sink_tokens=4, layer_overrides={}
-    ),
-    "int3 all": TierPolicy(
-        hot_tokens=6, warm_tokens=None, block_tokens=4, warm_bits=3, sink_tokens=1, layer_overrides={}
-    ),
-}
 
 
 @pytest.fixture(params=["torch", "cpu", "fused"])

@@ -18,12 +18,12 @@ import logging
 import pytest
 import torch
 
+from builders import POLICIES as SHARED_POLICIES
+from builders import build_layer, mask_for
 from kvtier import TierPolicy
 from kvtier.attention import plan as plan_mod
-from kvtier.attention.mask import KVMask
 from kvtier.attention.reference import reference_attention
 from kvtier.attention.tiered import tiered_attention
-from kvtier.hf.layer import TieredLayer
 from kvtier.policy import OffloadPolicy, SparsePolicy
 
 BACKENDS = ["torch", "cpu", "fused", "triton"]
@@ -42,43 +42,9 @@ def backend(request):
     return request.param
 
 
-def build_layer(policy, B, H, D, chunks, pads, seed=0, attention="fast"):
-    g = torch.Generator().manual_seed(seed)
-    layer = TieredLayer(policy, attention=attention)
-    total = sum(chunks)
-    keys = torch.randn(B, H, total, D, generator=g) * torch.linspace(0.2, 3, D) + torch.randn(D, generator=g)
-    values = torch.randn(B, H, total, D, generator=g)
-    valid = torch.arange(total)[None, :] >= torch.tensor(pads)[:, None]
-    pos = 0
-    for c in chunks:
-        layer.update(keys[:, :, pos : pos + c], values[:, :, pos : pos + c], kwargs={})
-        pos += c
-        if pos < total:
-            layer.settle(valid[:, :pos])
-    return layer, valid
-
-
-def mask_for(valid, q):
-    B, N = valid.shape
-    return KVMask(B, q, N, N - q, 0, None if bool(valid.all()) else valid, True)
-
-
 POLICIES = {
-    "int4+sign": TierPolicy(
-        hot_tokens=9, warm_tokens=14, block_tokens=7, sink_tokens=3, value_group_size=4, layer_overrides={}
-    ),
-    "int2+int3+rot": TierPolicy(
-        hot_tokens=5,
-        warm_tokens=10,
-        block_tokens=5,
-        warm_bits=2,
-        cold="quant",
-        cold_bits=3,
-        cold_rotation=True,
-        sink_tokens=2,
-        value_group_size=6,
-        layer_overrides={},
-    ),
+    "int4+sign": SHARED_POLICIES["int4+sign"],
+    "int2+int3+rot": SHARED_POLICIES["int2+int3"].replace(cold_rotation=True),
 }
 
 

@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 import kvtier
+from builders import token_ids
 from conftest import tiny_llama
 from kvtier import TieredCache, TierPolicy
 from kvtier.diagnostics import reachable_tensor_bytes
@@ -17,14 +18,9 @@ SMALL = TierPolicy(
 )
 
 
-def prompt(B=1, T=40, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 97, (B, T), generator=g)
-
-
 def left_padded(lengths, seed=0):
     T = max(lengths)
-    ids = prompt(len(lengths), T, seed)
+    ids = token_ids(T, seed, batch=len(lengths))
     mask = torch.zeros(len(lengths), T, dtype=torch.long)
     for b, n in enumerate(lengths):
         ids[b, : T - n] = 0
@@ -38,7 +34,7 @@ def generate(model, cache, **kw):
 
 
 def test_exact_matches_dynamic_greedy(model):
-    ids = prompt(T=60)
+    ids = token_ids(60)
     ref = model.generate(ids, max_new_tokens=40, do_sample=False, cache=DynamicCache(config=model.config))
     out = generate(model, TieredCache(model.config, "exact"), input_ids=ids, max_new_tokens=40)
     assert torch.equal(out, ref)
@@ -46,7 +42,7 @@ def test_exact_matches_dynamic_greedy(model):
 
 def test_exact_matches_dynamic_logits_chunked(model):
     """Chunked forward (prefill in pieces), logits equal to the last bit."""
-    ids = prompt(T=70)
+    ids = token_ids(70)
     dyn, tier = DynamicCache(config=model.config), TieredCache(model.config, "exact")
     with torch.no_grad():
         for s in range(0, 70, 16):
@@ -64,14 +60,14 @@ def test_exact_matches_dynamic_left_padded_batch(model):
 
 
 def test_exact_matches_dynamic_beam_search(model):
-    ids = prompt(T=30)
+    ids = token_ids(30)
     kw = dict(input_ids=ids, max_new_tokens=20, num_beams=3, num_return_sequences=3)
     ref = model.generate(cache=DynamicCache(config=model.config), do_sample=False, **kw)
     assert torch.equal(generate(model, TieredCache(model.config, "exact"), **kw), ref)
 
 
 def test_exact_matches_dynamic_sampling(model):
-    ids = prompt(T=30)
+    ids = token_ids(30)
     torch.manual_seed(5)
     ref = model.generate(ids, max_new_tokens=20, do_sample=True, top_k=20, cache=DynamicCache(config=model.config))
     torch.manual_seed(5)
@@ -87,7 +83,7 @@ def test_lossy_policies_generate(model, policy, mode):
     if mode == "padded":
         kw["input_ids"], kw["attention_mask"] = left_padded([90, 60, 100])
     else:
-        kw["input_ids"] = prompt(T=100)
+        kw["input_ids"] = token_ids(100)
     if mode == "beam":
         kw["num_beams"] = 3
     cache = TieredCache(model.config, policy)
@@ -105,7 +101,7 @@ def test_lossy_policies_generate(model, policy, mode):
 
 def test_lossy_close_to_exact_logits(model):
     """A 8-bit warm tier barely moves the logits; the reference path really reads the tiers."""
-    ids = prompt(T=120)
+    ids = token_ids(120)
     out = {}
     for name, pol in {
         "exact": "exact",
@@ -125,7 +121,7 @@ def test_lossy_close_to_exact_logits(model):
 def test_requires_enable(model):
     cache = TieredCache(model.config, "default")
     with pytest.raises(RuntimeError, match="kvtier.enable"):
-        model(prompt(), cache=cache)
+        model(token_ids(40), cache=cache)
 
 
 def test_enable_disable_restores():
@@ -174,7 +170,7 @@ def test_hybrid_sliding_layers():
     cache = TieredCache(m.config, "exact")
     kinds = [type(layer).__name__ for layer in cache.layers]
     assert kinds[1] == "TieredLayer" and kinds[0] == "DynamicSlidingWindowLayer"
-    ids = prompt(T=50)
+    ids = token_ids(50)
     ref = m.generate(ids, max_new_tokens=15, do_sample=False, cache=DynamicCache(config=m.config))
     assert torch.equal(generate(m, cache, input_ids=ids, max_new_tokens=15), ref)
     lossy = TieredCache(m.config, SMALL)
@@ -187,8 +183,8 @@ def test_dtypes(dtype):
     m = tiny_llama(dtype=dtype)
     cache = TieredCache(m.config, SMALL.replace(exact_dtype="half"))
     with kvtier.enable(m), torch.no_grad():
-        logits = m(prompt(T=100), cache=cache).logits
-        logits = m(prompt(T=3), cache=cache).logits
+        logits = m(token_ids(100), cache=cache).logits
+        logits = m(token_ids(3), cache=cache).logits
     assert torch.isfinite(logits).all()
     hot = cache.layers[1].hot.k
     assert hot.dtype == (torch.float16 if dtype == torch.float32 else dtype)
@@ -198,8 +194,8 @@ def test_dtypes(dtype):
 def test_memory_report_counts_every_tensor(model, policy):
     cache = TieredCache(model.config, policy)
     with kvtier.enable(model), torch.no_grad():
-        model(prompt(B=2, T=300), cache=cache)
-        model(prompt(B=2, T=1), cache=cache)
+        model(token_ids(300, batch=2), cache=cache)
+        model(token_ids(1, batch=2), cache=cache)
     r = cache.memory_report()
     assert r.total_bytes == reachable_tensor_bytes(cache)
     assert r.resident_bytes == r.total_bytes and r.offloaded_bytes == 0

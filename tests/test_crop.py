@@ -13,16 +13,12 @@ import torch
 from transformers import DynamicCache
 
 import kvtier
+from builders import token_ids
 from conftest import tiny_llama
 from kvtier.errors import KVTierError
 from kvtier.hf.layer import TieredLayer
 
 LAYER_PRESETS = ["exact", "default", "chat", "kivi2", "fp8", "sink-window", "offload-cpu", "adaptive"]
-
-
-def _ids(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 97, (batch, n), generator=g)
 
 
 def _layer_state(layer: TieredLayer) -> dict:
@@ -157,7 +153,7 @@ def test_cache_crop_beyond_a_lossy_layer_changes_no_layer(llama):
     """Layer 0 exact (it could crop everything), layers 1-3 ``default``: a crop past the lossy
     layers' hot window is refused before layer 0 changes."""
     cache = kvtier.TieredCache(llama.config, kvtier.get_policy("default").replace(layer_overrides={0: "exact"}))
-    ids = _ids(200)
+    ids = token_ids(200)
     with kvtier.enable(llama):
         _forward(llama, cache, ids, torch.ones_like(ids))
         most = min(layer.croppable_tokens for layer in cache.tiered_layers)
@@ -175,7 +171,7 @@ def test_cache_crop_beyond_a_lossy_layer_changes_no_layer(llama):
 def test_crop_then_decode_matches_dynamic_cache_with_left_padding(llama, name):
     """Batch 2, left padding: prefill, a 5-token draft call, crop(-3), then 2 more tokens. ``exact``
     gives DynamicCache's logits at every step; ``default`` stays close (its prompt has coded tokens)."""
-    ids = _ids(170, batch=2)
+    ids = token_ids(170, batch=2)
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
     tol = dict(atol=1e-5, rtol=1e-5) if name == "exact" else dict(atol=0.5, rtol=0)
@@ -195,7 +191,7 @@ def test_a_failed_call_after_a_crop_puts_the_cropped_cache_back(llama):
     """The crop is kept (no journal spans it); a call interrupted after it is undone back to the
     cropped state, and the cache refuses to crop until it is."""
     cache = kvtier.TieredCache(llama.config, "default")
-    ids = _ids(200)
+    ids = token_ids(200)
     mask = torch.ones_like(ids)
 
     def fail(module, args, output):
@@ -224,7 +220,7 @@ def draft():
 
 
 def _prompt() -> torch.Tensor:
-    return _ids(60, seed=3).repeat(1, 3)  # repeated text: prompt lookup finds candidates
+    return token_ids(60, seed=3).repeat(1, 3)  # repeated text: prompt lookup finds candidates
 
 
 @pytest.fixture

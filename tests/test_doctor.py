@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 import kvtier
+from builders import token_ids
 from conftest import tiny_llama
 from kvtier import TieredCache, TierPolicy, get_policy
 from kvtier.doctor import (
@@ -45,14 +46,9 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def prompt(T: int = 200, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 97, (1, T), generator=g)
-
-
 # --- whole runs --------------------------------------------------------------------------------
 def test_steady_loop_no_leak(model):
-    report = diagnose(model, prompt(), "default", calls=60, new_tokens=8)
+    report = diagnose(model, token_ids(200), "default", calls=60, new_tokens=8)
     assert report.verdict == NO_LEAK
     assert report.autograd == []
     assert not report.leftovers
@@ -67,7 +63,7 @@ def test_steady_loop_no_leak(model):
 def test_offload_disk_leaves_nothing(model, tmp_path):
     base = get_policy("offload-disk")
     policy = base.replace(offload=dataclasses.replace(base.offload, path=str(tmp_path)))
-    report = diagnose(model, prompt(300), policy, calls=24, warmup=8)
+    report = diagnose(model, token_ids(300), policy, calls=24, warmup=8)
     assert report.verdict == NO_LEAK
     assert report.threads_left == [] and report.fds_left == [] and report.maps_left == []
     assert report.files_left == []
@@ -92,7 +88,7 @@ def test_a_failing_step_still_closes_its_cache(model, tmp_path):
         return calls[-1]
 
     with pytest.raises(RuntimeError, match="boom"):
-        diagnose(model, prompt(200), policy, calls=20, warmup=4, loop=fails_third)
+        diagnose(model, token_ids(200), policy, calls=20, warmup=4, loop=fails_third)
     assert os.listdir(tmp_path) == []
 
 
@@ -104,20 +100,20 @@ def test_leaking_loop_is_flagged(model):
         kept.append(torch.ones(2 * MIB // 4))  # 2 MiB of float32, pages touched
         return step(m, ids, cache)
 
-    report = diagnose(model, prompt(64), SMALL, calls=40, warmup=8, loop=leaky)
+    report = diagnose(model, token_ids(64), SMALL, calls=40, warmup=8, loop=leaky)
     assert report.verdict == LEAK
     assert 1.5 * MIB < report.rss.slope < 2.5 * MIB
     assert not report.clean
 
 
 def test_collect_frees_each_cache(model):
-    report = diagnose(model, prompt(64), SMALL, calls=12, warmup=4, new_tokens=2, collect=True)
+    report = diagnose(model, token_ids(64), SMALL, calls=12, warmup=4, new_tokens=2, collect=True)
     assert report.collect and "gc.collect() after each" in str(report)
     assert all(r.caches_alive == 0 and r.alive_cache_bytes == 0 for r in report.rows)
 
 
 def test_reuse_grows_one_cache(model):
-    report = diagnose(model, prompt(64), SMALL, calls=24, warmup=8, new_tokens=4, reuse=True)
+    report = diagnose(model, token_ids(64), SMALL, calls=24, warmup=8, new_tokens=4, reuse=True)
     assert report.verdict == NO_LEAK
     assert all(r.caches_alive == 1 for r in report.rows)
     assert report.rows[-1].cache_bytes > report.rows[0].cache_bytes  # 4 tokens more per call
@@ -143,7 +139,7 @@ def test_cuda_bookkeeping(model, monkeypatch, leak_per_call):
     monkeypatch.setattr(torch.cuda, "memory_allocated", allocated)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 128 * MIB)
     monkeypatch.setattr(torch.cuda, "memory_summary", lambda device=None: "stand-in summary")
-    report = diagnose(model, prompt(64), SMALL, calls=16, warmup=4, loop=step)
+    report = diagnose(model, token_ids(64), SMALL, calls=16, warmup=4, loop=step)
     assert report.cuda is not None and report.cuda_summary == "stand-in summary"
     assert all(r.cuda_reserved == 128 * MIB for r in report.rows)
     assert report.rows[-1].cuda_allocated == 100 * MIB + leak_per_call * 16
@@ -154,7 +150,7 @@ def test_cuda_bookkeeping(model, monkeypatch, leak_per_call):
 
 def test_too_few_calls_after_warmup(model):
     with pytest.raises(ValueError, match="at least 8 calls"):
-        diagnose(model, prompt(), "default", calls=10, warmup=5)
+        diagnose(model, token_ids(200), "default", calls=10, warmup=5)
 
 
 # --- autograd ----------------------------------------------------------------------------------
@@ -171,7 +167,7 @@ def _forward_with_grad(model, ids, cache):
 def test_checker_flags_a_graph_in_the_cache(model):
     assert all(p.requires_grad for p in model.parameters())
     report = diagnose(
-        model, prompt(40), lambda m: DynamicCache(config=m.config), calls=10, warmup=2, loop=_forward_with_grad
+        model, token_ids(40), lambda m: DynamicCache(config=m.config), calls=10, warmup=2, loop=_forward_with_grad
     )
     assert report.autograd and all("grad_fn=" in a for a in report.autograd)
     assert any(" keys[0]: grad_fn=" in a for a in report.autograd)
@@ -186,7 +182,7 @@ def test_checker_flags_a_graph_in_the_cache(model):
 def test_quantized_tiers_hold_no_graph(model, policy):
     cache = TieredCache(model.config, policy)
     with kvtier.enable(model):
-        _forward_with_grad(model, prompt(200), cache)
+        _forward_with_grad(model, token_ids(200), cache)
     counts = cache.memory_report().tokens
     assert counts["warm"] > 0 and (counts["cold"] > 0 or policy.warm_tokens is None)
     assert [a for a in autograd_tensors(cache) if " warm[" in a or " cold[" in a] == []
@@ -203,7 +199,7 @@ def test_no_tier_holds_a_graph(model):
     cache = TieredCache(model.config, SMALL.replace(cold="offload", warm_tokens=0))
     try:
         with kvtier.enable(model):
-            _forward_with_grad(model, prompt(200), cache)
+            _forward_with_grad(model, token_ids(200), cache)
         assert autograd_tensors(cache) == []
     finally:
         cache.close()

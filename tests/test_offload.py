@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import kvtier
+from builders import mask_for, off_policy, offload_layer
 from conftest import tiny_llama
 from kvtier import OffloadError, OffloadPolicy, TieredCache, TierPolicy
-from kvtier.attention.mask import KVMask
 from kvtier.attention.plan import plan_for
 from kvtier.attention.reference import reference_attention
 from kvtier.attention.tiered import tiered_attention
@@ -26,47 +26,6 @@ from kvtier.offload.sketch import KeySketch, block_lse, block_lse_torch, expand,
 from kvtier.offload.store import BlockStore, RecordError, readahead, slab_sizes, store_capacity
 from kvtier.quant import pack_bits, rotation
 from kvtier.sizing import ModelShape, estimate
-
-
-def off_policy(hot=9, block=7, sinks=3, warm=0, dtype="model", **offload) -> TierPolicy:
-    """Small tiers (sizes off the grid) so short sequences cross every boundary; prefetch on
-    unless given (auto would turn it off for the host-RAM backend on the CPU)."""
-    offload.setdefault("prefetch", True)
-    return TierPolicy(
-        hot_tokens=hot,
-        warm_tokens=warm,
-        block_tokens=block,
-        sink_tokens=sinks,
-        value_group_size=4,
-        cold="offload",
-        exact_dtype=dtype,
-        offload=OffloadPolicy(**offload),
-        layer_overrides={},
-    )
-
-
-def build_layer(policy, B=3, H=2, D=12, chunks=(37, 11, 3, 20, 2), pads=(0, 7, 30), seed=0, q=1):
-    """A standalone layer fed like the attention path does (update, settle), the last ``q``
-    tokens left in hot as the current query's keys."""
-    g = torch.Generator().manual_seed(seed)
-    layer = TieredLayer(policy)
-    chunks = [*chunks, q]
-    total = sum(chunks)
-    keys = torch.randn(B, H, total, D, generator=g) * torch.linspace(0.2, 3, D) + torch.randn(D, generator=g)
-    values = torch.randn(B, H, total, D, generator=g)
-    valid = torch.arange(total)[None, :] >= torch.tensor(pads[:B])[:, None]
-    pos = 0
-    for c in chunks:
-        layer.update(keys[:, :, pos : pos + c], values[:, :, pos : pos + c], kwargs={})
-        pos += c
-        if pos < total:
-            layer.settle(valid[:, :pos])
-    return layer, keys, values, valid
-
-
-def mask_for(valid, q):
-    B, N = valid.shape
-    return KVMask(B, q, N, N - q, 0, None if bool(valid.all()) else valid, True)
 
 
 def exact_reference(keys, values, valid, query, scaling):
@@ -136,7 +95,7 @@ def test_store_file_ranges_and_readahead(tmp_path):
 def test_disk_step_reads_ahead_the_predicted_records(tmp_path):
     """A disk layer that attended once has predicted records; the next step's readahead covers them."""
     pol = off_policy(backend="disk", path=str(tmp_path), prefetch=True, mass=None, max_blocks=2, min_blocks=1)
-    layer, _, _, valid = build_layer(pol, q=1)
+    layer, _, _, valid = offload_layer(pol, q=1)
     query = torch.randn(3, 4, 1, 12, generator=torch.Generator().manual_seed(5))
     first = tiered_attention(layer, query, mask_for(valid, 1), 0.3)
     ranges = layer.cold.predicted_ranges()
@@ -174,7 +133,7 @@ def test_record_layout_round_trip(bits):
 
 
 def test_corrupted_block_names_layer_block_and_record(tmp_path):
-    layer, *_ = build_layer(off_policy(backend="disk", path=str(tmp_path)))
+    layer, *_ = offload_layer(off_policy(backend="disk", path=str(tmp_path)))
     tier = layer.cold
     rid = int(tier.table[1, 0, 2])
     path = tier.store.files()[0]
@@ -190,7 +149,7 @@ def test_corrupted_block_names_layer_block_and_record(tmp_path):
 
 
 def test_missing_block_is_named(tmp_path):
-    layer, *_ = build_layer(off_policy())
+    layer, *_ = offload_layer(off_policy())
     tier = layer.cold
     rid = int(tier.table[0, 1, 1])
     tier.store.free(torch.tensor([rid]))  # the table still points at it
@@ -257,7 +216,7 @@ def test_no_files_after_close_or_gc(tmp_path, model):
 
 # --- tables and beams --------------------------------------------------------------------------
 def test_reorder_permutes_block_tables_without_moving_data():
-    layer, *_ = build_layer(off_policy(), pads=(0, 0, 0))
+    layer, *_ = offload_layer(off_policy(), pads=(0, 0, 0))
     tier = layer.cold
     old_table = tier.table.clone()
     k_all, v_all, _ = tier.dense(torch.float32)
@@ -286,7 +245,7 @@ def test_unlimited_budget_equals_exact_attention(backend, gqa, q, tmp_path):
     """Every block fetched: the result is exact attention over all tokens (fp32 storage)."""
     extra = {"path": str(tmp_path)} if backend == "disk" else {}
     pol = off_policy(mass=None, min_blocks=0, backend=backend, **extra)
-    layer, keys, values, valid = build_layer(pol, q=q, seed=gqa)
+    layer, keys, values, valid = offload_layer(pol, q=q, seed=gqa)
     query = torch.randn(3, 2 * gqa, q, 12, generator=torch.Generator().manual_seed(3))
     out = tiered_attention(layer, query, mask_for(valid, q), 0.3)
     ref = exact_reference(keys, values, valid, query, 0.3)
@@ -300,7 +259,7 @@ def test_staged_blocks_are_attended_in_place(store_bits):
     """A step whose selection the prediction covers reads nothing synchronously: the staged
     blocks are attended where the worker put them (no second copy), with the same result."""
     pol = off_policy(mass=None, min_blocks=0, store_bits=store_bits, dtype="float32")
-    layer, _, _, valid = build_layer(pol, q=1)
+    layer, _, _, valid = offload_layer(pol, q=1)
     tier = layer.cold
     query = torch.randn(3, 4, 1, 12, generator=torch.Generator().manual_seed(5))
     first = tiered_attention(layer, query, mask_for(valid, 1), 0.3)  # nothing predicted yet: all misses
@@ -324,7 +283,7 @@ def test_staged_blocks_are_attended_in_place(store_bits):
 
 def test_unlimited_budget_with_warm_tier_and_8bit_store_matches_reference():
     pol = off_policy(warm=14, mass=None, min_blocks=0, store_bits=8)
-    layer, _, _, valid = build_layer(pol, q=2)
+    layer, _, _, valid = offload_layer(pol, q=2)
     assert layer.warm.nblocks and layer.cold.nblocks
     query = torch.randn(3, 4, 2, 12)
     fast = tiered_attention(layer, query, mask_for(valid, 2), 0.3)
@@ -336,7 +295,7 @@ def test_unlimited_budget_with_warm_tier_and_8bit_store_matches_reference():
 @pytest.mark.parametrize("force", [None, "torch"])  # the C++ path (where it builds) and the torch path
 def test_limited_budget_drops_exactly_the_unselected_blocks(budget, force):
     pol = off_policy(**budget)  # prefetch on: every selection is observed
-    layer, keys, values, valid = build_layer(pol, q=3)
+    layer, keys, values, valid = offload_layer(pol, q=3)
     chosen = {}
     observe = layer.cold.memory.observe
 
@@ -416,7 +375,7 @@ def test_estimated_skipped_share():
 def test_read_budget_reports_its_estimated_skip_and_warns(force):
     B, H, gqa, q, D = 3, 2, 2, 3, 12
     query = torch.randn(B, H * gqa, q, D, generator=torch.Generator().manual_seed(4))
-    layer, _, _, valid = build_layer(off_policy(mass=None, max_blocks=1, min_blocks=0), q=q)
+    layer, _, _, valid = offload_layer(off_policy(mass=None, max_blocks=1, min_blocks=0), q=q)
     assert layer.cold.nblocks > 1
     with pytest.warns(kvtier.BudgetWarning, match="max_blocks=1"):
         tiered_attention(layer, query, mask_for(valid, q), 0.05, force=force)  # small scale: diffuse
@@ -425,7 +384,7 @@ def test_read_budget_reports_its_estimated_skip_and_warns(force):
     assert 0.05 < st.est_skipped_mass / st.est_skipped_rows <= st.est_skipped_max <= 1.0
     # no cap, or a cap the layer's blocks fit under: nothing estimated, no warning
     for changes in (dict(max_blocks=None), dict(max_blocks=layer.cold.nblocks)):
-        layer, _, _, valid = build_layer(off_policy(mass=0.9, min_blocks=0, **changes), q=q)
+        layer, _, _, valid = offload_layer(off_policy(mass=0.9, min_blocks=0, **changes), q=q)
         with warnings.catch_warnings():
             warnings.simplefilter("error", kvtier.BudgetWarning)
             tiered_attention(layer, query, mask_for(valid, q), 0.05, force=force)
@@ -638,7 +597,7 @@ def test_offload_policy_validation(field, value):
 )
 def test_prefetch_auto_is_on_only_where_a_fetch_is_a_transfer(tmp_path, backend, prefetch, expected):
     path = str(tmp_path) if backend == "disk" else None
-    layer, *_ = build_layer(off_policy(backend=backend, path=path, prefetch=prefetch))
+    layer, *_ = offload_layer(off_policy(backend=backend, path=path, prefetch=prefetch))
     assert layer.cold.prefetch_enabled is expected
     layer.cold.close()
 
@@ -666,7 +625,7 @@ def test_long_call_attends_every_cold_block_exactly(backend, q, tmp_path):
     outs = {}
     for limit in (4, None):
         pol = off_policy(mass=0.6, min_blocks=1, max_query_tokens=limit, backend=backend, **extra)
-        layer, keys, values, valid = build_layer(pol, q=q, seed=1)
+        layer, keys, values, valid = offload_layer(pol, q=q, seed=1)
         query = torch.randn(3, 4, q, 12, generator=torch.Generator().manual_seed(3))
         mask = mask_for(valid, q)
         assert plan_for(layer, query, mask).selection == ("dense" if limit else "sketch")

@@ -26,11 +26,11 @@ import pytest
 import torch
 
 import kvtier
+from builders import off_policy, offload_layer, token_ids
 from kvtier import OffloadError, TieredCache
 from kvtier.offload.records import RecordLayout
 from kvtier.offload.sketch import KeySketch
 from kvtier.offload.store import COPY_ERROR, BlockStore, slab_sizes
-from test_offload import build_layer, off_policy
 
 TESTS = Path(__file__).resolve().parent
 PRESETS = ("offload-cpu", "offload-disk")
@@ -42,10 +42,6 @@ def preset(name: str, path) -> kvtier.TierPolicy:  # noqa: ANN001 - str or Path
     if pol.offload.backend != "disk":
         return pol
     return dataclasses.replace(pol, offload=dataclasses.replace(pol.offload, path=str(path)))
-
-
-def prompt(T: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 97, (1, T), generator=torch.Generator().manual_seed(seed))
 
 
 def run_isolated(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -194,7 +190,7 @@ def test_corrupted_record_during_generate_is_named_and_changes_nothing(model, tm
     still bad) instead of running on a half-updated cache; close() leaves no file."""
     cache = TieredCache(model.config, preset("offload-disk", tmp_path))
     with kvtier.enable(model), torch.no_grad():
-        model(prompt(300), cache=cache)
+        model(token_ids(300), cache=cache)
         tier = cache.layers[1].cold
         rid = int(tier.table[0, 1, 2])
         with open(tier.store.files()[0], "r+b") as f:  # flip one byte of record rid
@@ -205,7 +201,7 @@ def test_corrupted_record_during_generate_is_named_and_changes_nothing(model, tm
         before = tier_state(cache)
         for _ in range(2):
             with pytest.raises(OffloadError, match=rf"layer 1: cold block 2 \(row 0, KV head 1\), record {rid}.*crc32"):
-                model(prompt(1, seed=1), cache=cache)
+                model(token_ids(1, seed=1), cache=cache)
             assert_same_state(tier_state(cache), before)
     cache.close()
     assert list(tmp_path.iterdir()) == []
@@ -263,7 +259,7 @@ def test_full_disk_during_generate(model, tmp_path, monkeypatch, request, how):
     directory (never a signal or a raw OSError), the call changes nothing, and after close()
     nothing is left. With the fault removed the cache goes on and decodes the same tokens as a
     cache that never failed; on a still-full tmpfs it refuses each call with the same error."""
-    ids = prompt(900)
+    ids = token_ids(900)
     (tmp_path / "control").mkdir()
     control = TieredCache(model.config, preset("offload-disk", tmp_path / "control"))
     with kvtier.enable(model), torch.no_grad():
@@ -321,7 +317,7 @@ STEPS = [
 def test_push_is_all_or_nothing(step, backend, tmp_path, monkeypatch):
     """A push that fails at any step leaves fields, table, live records, capacity and files as
     they were (slabs grown for it are released), and the same push then succeeds."""
-    layer, *_ = build_layer(off_policy(backend=backend, path=str(tmp_path) if backend == "disk" else None))
+    layer, *_ = offload_layer(off_policy(backend=backend, path=str(tmp_path) if backend == "disk" else None))
     tier, store = layer.cold, layer.cold.store
     before = (dict(tier.fields), tier.table.clone(), store.live, store.capacity, store.files())
     assert store.capacity - store.live < 40  # the push below grows the store by two slabs or more
@@ -380,7 +376,7 @@ def test_store_put_releases_grown_slabs(tmp_path, monkeypatch):
 # --- 4. copy and pickle ------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", PRESETS)
 def test_copy_and_pickle_are_refused_and_the_cache_keeps_working(model, tmp_path, name):
-    ids = prompt(300)
+    ids = token_ids(300)
     kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
     with kvtier.enable(model):
         control = TieredCache(model.config, preset(name, tmp_path))
@@ -413,12 +409,12 @@ def test_no_files_after_an_exception_during_generate(model, tmp_path, end):
 
     cache = TieredCache(model.config, preset("offload-disk", tmp_path))
     with kvtier.enable(model), torch.no_grad():
-        model.generate(input_ids=prompt(300), cache=cache, max_new_tokens=2, do_sample=False)
+        model.generate(input_ids=token_ids(300), cache=cache, max_new_tokens=2, do_sample=False)
         assert any(p.is_file() for p in tmp_path.rglob("*"))
         hook = model.model.layers[2].register_forward_hook(fail)
         try:
             with pytest.raises(RuntimeError, match="injected") as err:
-                model.generate(input_ids=prompt(400), cache=cache, max_new_tokens=2, do_sample=False)
+                model.generate(input_ids=token_ids(400), cache=cache, max_new_tokens=2, do_sample=False)
         finally:
             hook.remove()
         del err  # its traceback holds frames that hold the cache
@@ -438,7 +434,7 @@ def test_close_leaves_no_prefetch_thread(model, tmp_path, name):
     pol = dataclasses.replace(pol, offload=dataclasses.replace(pol.offload, prefetch=True))
     cache = TieredCache(model.config, pol)
     with kvtier.enable(model):
-        model.generate(input_ids=prompt(300), cache=cache, max_new_tokens=4, do_sample=False)
+        model.generate(input_ids=token_ids(300), cache=cache, max_new_tokens=4, do_sample=False)
     assert cache.offload_stats().prefetched > 0 and prefetch_threads() - before  # a worker ran
     cache.close()
     assert not prefetch_threads() - before

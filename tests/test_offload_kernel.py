@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from builders import mask_for, off_policy, offload_layer
 from kvtier import OffloadPolicy
 from kvtier.attention.offloaded import attend_blocks_torch, coarse_bounds, select_two_level_torch
 from kvtier.attention.tiered import tiered_attention
@@ -15,7 +16,6 @@ from kvtier.kernels import offload_cpu
 from kvtier.offload.records import RecordLayout
 from kvtier.offload.sketch import KeySketch, block_lse_torch, expand, query_rows
 from kvtier.offload.store import BlockStore
-from test_offload import build_layer, mask_for, off_policy
 
 pytestmark = pytest.mark.skipif(not offload_cpu.available(), reason="offload kernel could not be built here")
 
@@ -107,7 +107,7 @@ def test_layer_kernel_path_equals_torch_path(backend, gqa, q, budget, tmp_path):
     auto (off in RAM: in place; on for disk: staged + gathered), left padding, GQA."""
     extra = {"path": str(tmp_path)} if backend == "disk" else {}
     pol = off_policy(backend=backend, prefetch=None, **budget, **extra)
-    layer, _, _, valid = build_layer(pol, q=q, seed=gqa)
+    layer, _, _, valid = offload_layer(pol, q=q, seed=gqa)
     query = torch.randn(3, 2 * gqa, q, 12, generator=torch.Generator().manual_seed(3))
     fast = tiered_attention(layer, query, mask_for(valid, q), 0.3)
     st = layer.cold.stats
@@ -120,7 +120,7 @@ def test_layer_kernel_path_equals_torch_path(backend, gqa, q, budget, tmp_path):
 
 def test_reuse_selection_and_skipped_mass():
     pol = off_policy(prefetch=False, mass=0.6, min_blocks=1, reuse_steps=3)
-    layer, _, _, valid = build_layer(pol, q=1)
+    layer, _, _, valid = offload_layer(pol, q=1)
     tier = layer.cold
     tier.measure_skipped = True
     query = torch.randn(3, 4, 1, 12, generator=torch.Generator().manual_seed(7))
@@ -135,7 +135,7 @@ def test_reuse_selection_and_skipped_mass():
 
 def test_skipped_mass_is_zero_when_every_block_is_attended():
     pol = off_policy(prefetch=False, mass=None, min_blocks=0)
-    layer, _, _, valid = build_layer(pol, q=1)
+    layer, _, _, valid = offload_layer(pol, q=1)
     layer.cold.measure_skipped = True
     tiered_attention(layer, torch.randn(3, 4, 1, 12), mask_for(valid, 1), 0.3)
     assert layer.cold.stats.skipped_rows > 0 and layer.cold.stats.skipped_max < 1e-6
@@ -143,11 +143,11 @@ def test_skipped_mass_is_zero_when_every_block_is_attended():
 
 @pytest.mark.filterwarnings("ignore::kvtier.BudgetWarning")
 def test_auto_reuse_serves_ceil_n_over_budget_steps():
-    probe, *_ = build_layer(off_policy(prefetch=False), q=1)
+    probe, *_ = offload_layer(off_policy(prefetch=False), q=1)
     n = probe.cold.nblocks
     pol = off_policy(prefetch=False, mass=0.6, min_blocks=1, max_blocks=-(-n // 3), reuse_steps=None)
     assert pol.offload.reuse_every(n) == 3
-    layer, _, _, valid = build_layer(pol, q=1)
+    layer, _, _, valid = offload_layer(pol, q=1)
     query = torch.randn(3, 4, 1, 12, generator=torch.Generator().manual_seed(7))
     for _ in range(4):
         tiered_attention(layer, query, mask_for(valid, 1), 0.3)

@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache
 
 import kvtier
+from builders import token_ids
 from conftest import tiny_llama
 from kvtier import TieredCache
 from kvtier.codecs import Fp8Codec, KBitCodec, MixedCodec, SignCodec
@@ -46,10 +47,6 @@ def scaled_keys(model, factor: float, layer: int = LAYER):
             w.copy_(saved)
 
 
-def _ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(3, 97, (2, n), generator=torch.Generator().manual_seed(seed))
-
-
 def _key_max(model, ids) -> float:
     with torch.no_grad():
         dc = DynamicCache(config=model.config)
@@ -60,7 +57,8 @@ def _key_max(model, ids) -> float:
 def _refused_and_unchanged(model, policy, factor: float, match: str) -> None:
     """A prefill, then a call with scaled keys: refused naming the layer; then the same cache gives
     the logits of a cache that never saw the refused call."""
-    first, bad, after = _ids(150, 1), _ids(300, 2), _ids(3, 3)  # bad's own blocks leave the hot window
+    # bad's own blocks leave the hot window
+    first, bad, after = (token_ids(n, seed, batch=2) for n, seed in ((150, 1), (300, 2), (3, 3)))
     cache, fresh = TieredCache(model.config, policy), TieredCache(model.config, policy)
     with kvtier.enable(model), torch.no_grad():
         model(first, cache=cache)
@@ -90,9 +88,9 @@ def test_bfloat16_exact_dtype_holds_keys_beyond_fp16(model, preset):
     policy = kvtier.get_policy(preset).replace(exact_dtype="bfloat16")
     cache = TieredCache(model.config, policy)
     with kvtier.enable(model), torch.no_grad(), scaled_keys(model, 2e5):
-        assert _key_max(model, _ids(300, 1)) > 7e4
-        model(_ids(300, 1), cache=cache)  # past chat's 192-token hot window
-        logits = model(_ids(3, 3), cache=cache).logits
+        assert _key_max(model, token_ids(300, 1, batch=2)) > 7e4
+        model(token_ids(300, 1, batch=2), cache=cache)  # past chat's 192-token hot window
+        logits = model(token_ids(3, 3, batch=2), cache=cache).logits
     assert torch.isfinite(logits).all()
     assert cache.layers[LAYER].hot.k.dtype == torch.bfloat16
     assert cache.memory_report().tokens["warm" if preset != "offload-cpu" else "cold"] > 0
@@ -100,7 +98,7 @@ def test_bfloat16_exact_dtype_holds_keys_beyond_fp16(model, preset):
 
 
 def test_exact_preset_keeps_fp32_keys_beyond_fp16(model):
-    ids = _ids(150, 1)
+    ids = token_ids(150, 1, batch=2)
     with kvtier.enable(model), torch.no_grad(), scaled_keys(model, 1e6):
         cache = TieredCache(model.config, "exact")
         got = model(ids, cache=cache).logits

@@ -28,7 +28,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kvtier import TierPolicy  # noqa: E402
+from builders import POLICIES as SHARED_POLICIES  # noqa: E402
+from builders import build_layer  # noqa: E402
 from kvtier.attention.mask import KVMask  # noqa: E402
 from kvtier.attention.partials import (  # noqa: E402
     Partial,
@@ -52,72 +53,16 @@ assert type(td._packed_split_kernel).__name__ == "InterpretedFunction", "TRITON_
 ROOT = Path(__file__).resolve().parents[1]
 FLOOR = 1e-5
 
-# name -> (policy, head_dim); tiers: warm k-bit, cold sign / k-bit / evicted
+# name -> (policy, head_dim); tiers: warm k-bit, cold sign / k-bit / evicted. The attention tests'
+# policies (builders.POLICIES) with other windows and sinks.
 POLICIES = {
-    "int4+sign": (
-        TierPolicy(
-            hot_tokens=5,
-            warm_tokens=14,
-            block_tokens=7,
-            sink_tokens=2,
-            value_group_size=4,
-            cold_rotation=False,
-            layer_overrides={},
-        ),
-        16,
-    ),
-    "int2+int3": (
-        TierPolicy(
-            hot_tokens=5,
-            warm_tokens=10,
-            block_tokens=5,
-            warm_bits=2,
-            cold="quant",
-            cold_bits=3,
-            sink_tokens=0,
-            value_group_size=6,
-            layer_overrides={},
-        ),
-        12,
-    ),
-    "int6+rot": (
-        TierPolicy(
-            hot_tokens=4,
-            warm_tokens=8,
-            block_tokens=8,
-            warm_bits=6,
-            cold_rotation=True,
-            sink_tokens=1,
-            layer_overrides={},
-        ),
-        12,
-    ),
-    "int8+evict": (
-        TierPolicy(
-            hot_tokens=4, warm_tokens=9, block_tokens=3, warm_bits=8, cold="evict", sink_tokens=0, layer_overrides={}
-        ),
-        16,
-    ),
+    "int4+sign": (SHARED_POLICIES["int4+sign"].replace(hot_tokens=5, sink_tokens=2, cold_rotation=False), 16),
+    "int2+int3": (SHARED_POLICIES["int2+int3"].replace(sink_tokens=0), 12),
+    "int6+rot": (SHARED_POLICIES["int6+rot"].replace(hot_tokens=4, warm_tokens=8, sink_tokens=1), 12),
+    "int8+evict": (SHARED_POLICIES["int8+evict"].replace(sink_tokens=0), 16),
 }
 PADS = [0, 22]  # row 1: the first 22 tokens are padding
 CHUNKS = [30, 6, 1, 1]  # prefill, a short chunk, two decode steps
-
-
-def build_layer(policy: TierPolicy, B: int, H: int, D: int, chunks=CHUNKS, pads=PADS, seed: int = 0):
-    """A layer fed like the cache feeds it; returns it and the real-token mask ``[B, total]``."""
-    g = torch.Generator().manual_seed(seed)
-    layer = TieredLayer(policy)
-    total = sum(chunks)
-    keys = torch.randn(B, H, total, D, generator=g) * torch.linspace(0.2, 3, D) + torch.randn(D, generator=g)
-    values = torch.randn(B, H, total, D, generator=g)
-    valid = torch.arange(total)[None, :] >= torch.tensor(pads[:B])[:, None]
-    pos = 0
-    for c in chunks:
-        layer.update(keys[:, :, pos : pos + c], values[:, :, pos : pos + c], kwargs={})
-        pos += c
-        if pos < total:
-            layer.settle(valid[:, :pos])
-    return layer, valid
 
 
 def tiers(layer: TieredLayer):
@@ -185,7 +130,7 @@ def test_packed_tier_matches_reference(name, gqa, splits):
     """Every tier of the layer (warm k-bit; cold sign / rotated sign / k-bit), decode rows."""
     policy, D = POLICIES[name]
     B, H = 2, 2
-    layer, _ = build_layer(policy, B, H, D, seed=gqa)
+    layer, _ = build_layer(policy, B, H, D, CHUNKS, PADS, seed=gqa)
     rows = to_rows(torch.randn(B, H * gqa, 1, D, generator=torch.Generator().manual_seed(gqa)), H, 0.3)
     assert tiers(layer)
     for t in tiers(layer):
@@ -196,7 +141,7 @@ def test_packed_tier_matches_reference(name, gqa, splits):
 def test_padding_row_attends_nothing_in_cold():
     """Row 1's cold blocks hold only padding: its partial is empty (zeros, -inf), not NaN."""
     policy, D = POLICIES["int4+sign"]
-    layer, _ = build_layer(policy, 2, 1, D)
+    layer, _ = build_layer(policy, 2, 1, D, CHUNKS, PADS)
     cold = layer.cold.fields
     assert not cold["valid"][1].any() and cold["valid"][0].any()
     out, lse = dispatch.gpu_partial(to_rows(torch.randn(2, 2, 1, D), 1, 0.3), cold, layer.cold.codec, D)
@@ -310,7 +255,7 @@ def test_decode_step_merges_like_torch(name, gqa):
     """Sinks + cold + warm + hot through the kernels, merged with ``merge``: the kvtier decode step."""
     policy, D = POLICIES[name]
     B, H = 2, 2
-    layer, valid = build_layer(policy, B, H, D, seed=11)
+    layer, valid = build_layer(policy, B, H, D, CHUNKS, PADS, seed=11)
     query = torch.randn(B, H * gqa, 1, D, generator=torch.Generator().manual_seed(3))
     mask = KVMask(B, 1, valid.shape[1], valid.shape[1] - 1, 0, valid, True)
     rows = to_rows(query, H, 0.3)

@@ -12,8 +12,9 @@ oracle (:mod:`.reference`).
 May import (lower layers only): torch, ``kvtier.cache`` (state, tiers), ``kvtier.offload``
 (the offloaded tier, sketches), ``kvtier.kernels``, ``kvtier.codecs``, ``kvtier.quant``,
 ``kvtier.policy`` and the leaf modules; transformers only inside :meth:`KVMask.dense`; never
-``kvtier.hf`` or ``kvtier.vllm``. The registration with transformers (``register``, ``enable``,
-``disable``, ``kvtier_mask``) is in the adapter, :mod:`kvtier.hf` (``kvtier.enable``).
+``kvtier.sizing`` / ``kvtier.diagnostics``, ``kvtier.hf`` or ``kvtier.vllm``. The registration with
+transformers (``register``, ``enable``, ``disable``, ``kvtier_mask``) is in the adapter,
+:mod:`kvtier.hf` (``kvtier.enable``).
 """
 
 from .interface import kvtier_attention

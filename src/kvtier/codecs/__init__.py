@@ -9,8 +9,8 @@ constants C++ reads, written into the generated ``codec_constants.h`` when a ker
 kernel source restates them). Kernels (C++, Triton), tiers, the offload store, attention and the
 vLLM adapter read these formats from here.
 
-May import: torch, ``kvtier.quant``, ``kvtier.policy``, ``kvtier.errors``, ``kvtier.stats`` and
-the leaf modules; never ``kvtier.kernels``, ``kvtier.cache``, ``kvtier.offload``,
+May import (lower layers only): torch, ``kvtier.quant``, ``kvtier.policy`` and the leaf modules
+(``kvtier.errors``, ``kvtier.stats``); never ``kvtier.kernels``, ``kvtier.offload``, ``kvtier.cache``,
 ``kvtier.attention``, the adapters or transformers.
 """
 

@@ -6,9 +6,10 @@ Owns :class:`TieredLayer` (``LayerState`` + ``CacheLayerMixin``, :mod:`.layer`),
 ``disable`` (:mod:`.attention`). This is the only package that imports transformers at module
 level; it needs ``pip install 'kvtier[hf]'``.
 
-May import: transformers and every kvtier module below it (``cache``, ``attention``, ``offload``,
-``policy``, ``stats``, ``diagnostics``, ``errors``); nothing in kvtier's core imports it except
-through the lazy names of :mod:`kvtier.adapters` (``kvtier.TieredCache`` and friends).
+May import: transformers and every kvtier module below it (``diagnostics``, ``attention``,
+``cache``, ``offload``, ``codecs``, ``policy`` and the leaf modules ``stats``, ``errors``); never
+``kvtier.vllm``, ``eval``, ``cli``, ``doctor`` or ``models``. Nothing in kvtier's core imports it
+except through the lazy names of :mod:`kvtier.adapters` (``kvtier.TieredCache`` and friends).
 """
 
 import re

@@ -113,9 +113,9 @@ class BlockCodec:
         call costs more in page faults than the arithmetic that fills it."""
         bufs = self._scratch.__dict__.setdefault("bufs", {})
         buf, numel = bufs.get((name, dtype)), math.prod(shape)
-        if buf is None or buf.numel() != numel:  # encode and decode view the same buffers differently
-            buf = bufs[(name, dtype)] = torch.empty(numel, dtype=dtype)
-        return buf.view(shape)
+        if buf is None or buf.numel() < numel:  # encode and decode view the same buffers differently
+            buf = bufs[(name, dtype)] = torch.empty(numel, dtype=dtype)  # (encode packs K and V apart)
+        return buf[:numel].view(shape)
 
     # --- sizes ------------------------------------------------------------------------------
     def _codec(self, bits: int, rotate: bool) -> KBitCodec:
