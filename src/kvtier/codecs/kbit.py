@@ -2,7 +2,7 @@
 (KIVI, https://arxiv.org/abs/2402.02750), optionally after the randomized Hadamard rotation.
 
 The warm tier's codec in the fixed presets, the offload store's record format
-(:mod:`kvtier.offload.records`) and the vLLM store's block codec (:mod:`kvtier.vllm.blocks`, through
+(:mod:`kvtier.offload.records`) and the vLLM store's block codec (:mod:`kvtier.vllm.store.blocks`, through
 :meth:`KBitCodec.encode_into`, the in-place path beside the pure :meth:`KBitCodec.encode`: the same bytes).
 May import: torch, ``kvtier.quant``, :mod:`.base`.
 """

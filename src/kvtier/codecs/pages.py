@@ -20,7 +20,7 @@ vLLM sizes a page as ``H * T * cell`` bytes (its ``AttentionSpec.state_content_b
 page is padded up to a whole, even ``cell``. The C++ kernels (``kernels/csrc/page_codes.h``,
 ``vllm_paged_attention.cpp``) and Triton (:mod:`kvtier.kernels.triton_pages`) read a page through
 :meth:`PageFormat.layout` and the constants of :mod:`kvtier.codecs.constants`; what a page holds is
-chosen by a policy with the fields of :class:`PageCodes` (:class:`kvtier.vllm.pages.PagePolicy`).
+chosen by a policy with the fields of :class:`PageCodes` (:class:`kvtier.vllm.pages.policy.PagePolicy`).
 
 This module owns the layout and the codec. May import: torch, ``kvtier.quant``; never vLLM.
 """
@@ -37,7 +37,7 @@ from ..quant import pack_words, quantize_kbit, unpack_words
 
 
 class PageCodes(Protocol):
-    """What a page format reads from its policy (:class:`kvtier.vllm.pages.PagePolicy` has it all)."""
+    """What a page format reads from its policy (:class:`kvtier.vllm.pages.policy.PagePolicy` has it all)."""
 
     @property
     def packed(self) -> bool: ...  # False: vLLM's exact pages (no page format)

@@ -9,7 +9,8 @@ and packed KV pages in vLLM's own block pool: ~3.7x the tokens in the same ``VLL
 >>> with attention_backend("default"):
 ...     llm = LLM(model=path, **engine_kwargs("default"))
 
-Two packages that never import each other, and the shared top:
+Two packages that import each other only where the store reads an engine's page policy
+(:mod:`.pages.policy`, to keep blocks of packed pages as they are), and the shared top:
 
 - :mod:`.store`: the offloading prefix store. vLLM's ``OffloadingConnector`` keeps its scheduler
   logic and loads kvtier's out-of-tree ``OffloadingSpec`` (:mod:`.store.spec`), whose worker
@@ -21,13 +22,15 @@ Two packages that never import each other, and the shared top:
   plans each step once through :class:`~kvtier.vllm.pages.attention.PagedAttention`; the page
   policy, the side buffer and step plan, the prefill kernels).
 - here: :mod:`.engine` (opt an engine into the pages backend), :mod:`.plugin` (vLLM's
-  ``general_plugins`` entry point) and the public names below.
+  ``general_plugins`` entry point), :mod:`.serve` (``kvtier serve``: a command, in the top layer)
+  and the public names below.
 
 This package may import torch, vLLM (only :mod:`.store.spec`, :mod:`.pages.backend`,
 :class:`.pages.prefill.VllmPrefill` when made, and :func:`kv_transfer_config` /
 :func:`attention_backend` when called), ``kvtier.codecs``, ``kvtier.quant``, ``kvtier.errors``,
-``kvtier.kernels``, ``kvtier.attention.partials``; never transformers or ``kvtier.hf``. ``import
-kvtier`` never imports this package.
+``kvtier.kernels``, ``kvtier.attention.partials``, the top-level ``kvtier`` package (its version,
+for the store's startup line); never transformers or ``kvtier.hf``. ``import kvtier`` never imports
+this package.
 """
 
 from .engine import attention_backend, engine_kwargs, kv_bytes_per_token, serve_args
