@@ -23,6 +23,19 @@ from .base import FP16_BYTES, AffineCodec, check_params, encode_inputs
 Buffer = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
 
 
+def _pack_codes_into(x: torch.Tensor, bits: int, buffer, out: dict[str, torch.Tensor]) -> None:  # noqa: ANN001
+    """Codes of ``x`` (``[2, ...]`` keys then values, already scaled and shifted, overwritten) packed
+    into ``out["k_codes"]`` and ``out["v_codes"]``.
+
+    round(x).clamp(0, qmax) as uint8, without the slow float -> uint8 cast: clamped first (the same
+    codes), then + 2**23 rounds to the nearest integer, ties to even (as torch.round), and leaves it in
+    the low byte of the float's bits; the int32 -> uint8 cast keeps that byte."""
+    x.clamp_(0, (1 << bits) - 1).add_(2.0**23)
+    q = buffer("q", x.shape, torch.uint8).copy_(x.view(torch.int32))
+    pack_words(q[0], bits, buffer, out=out["k_codes"])
+    pack_words(q[1], bits, buffer, out=out["v_codes"])
+
+
 @dataclass(frozen=True)
 class KBitCodec(AffineCodec):
     """``bits``-bit asymmetric group quantization (KIVI layout). With ``rotate`` K and V are first
@@ -97,12 +110,7 @@ class KBitCodec(AffineCodec):
         G, bits = self.value_group, self.bits
         if buffer is None:
             buffer = lambda name, shape, dtype: torch.empty(shape, dtype=dtype, device=k.device)
-        x = buffer("x", (2, B, H, n, T, D), torch.float32)
-        x[0].copy_(k)
-        x[1].copy_(v)
-        if self.rotate:
-            y = buffer("y", x.shape, torch.float32)
-            x = torch.mm(x.view(-1, D), rotation(D, k.device), out=y.view(-1, D)).view(x.shape)
+        x = self._scratch(k, v, buffer)
         xk, xv = x[0], x[1].view(B, H, n, T, D // G, G)
         # amin and amax, not aminmax: 20x faster reductions on the CPU
         kmn, kmx = xk.amin(3, keepdim=True), xk.amax(3, keepdim=True)
@@ -114,18 +122,23 @@ class KBitCodec(AffineCodec):
         check_params(self.name, (ks, vs), (k, v))  # |zero| <= ZERO_MAX by construction
         xk.div_(ks.float()).add_(kz.float())
         xv.div_(vs.float()).add_(vz.float())
-        # round(x).clamp(0, qmax) as uint8, without the slow float -> uint8 cast: clamped first (the
-        # same codes), then + 2**23 rounds to the nearest integer, ties to even (as torch.round), and
-        # leaves it in the low byte of the float's bits; the int32 -> uint8 cast keeps that byte.
-        x.clamp_(0, (1 << bits) - 1).add_(2.0**23)
-        q = buffer("q", x.shape, torch.uint8).copy_(x.view(torch.int32))
-        pack_words(q[0], bits, buffer, out=out["k_codes"])
-        pack_words(q[1], bits, buffer, out=out["v_codes"])
+        _pack_codes_into(x, bits, buffer, out)
         out["k_scale"].copy_(ks)
         out["k_zero"].copy_(kz)
         out["v_scale"].copy_(vs.squeeze(-1))
         out["v_zero"].copy_(vz.squeeze(-1))
         return out
+
+    def _scratch(self, k: torch.Tensor, v: torch.Tensor, buffer: Buffer) -> torch.Tensor:
+        """fp32 ``[2, B, H, n, T, D]`` copy of keys and values (after the rotation when the codec rotates)."""
+        D = k.shape[-1]
+        x = buffer("x", (2, *k.shape), torch.float32)
+        x[0].copy_(k)
+        x[1].copy_(v)
+        if self.rotate:
+            y = buffer("y", x.shape, torch.float32)
+            x = torch.mm(x.view(-1, D), rotation(D, k.device), out=y.view(-1, D)).view(x.shape)
+        return x
 
     def decode(self, f: dict[str, torch.Tensor], dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.decode_keys(f, dim, dtype), self.decode_values(f, dim, dtype)

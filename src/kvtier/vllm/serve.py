@@ -57,6 +57,25 @@ def _model(model: str) -> str:
     return str(model_dir(model)) if model in MODELS else model
 
 
+def _store_part(store: str, cpu_bytes, disk, disk_bytes, environ, packed_pages: bool):  # noqa: ANN001, ANN202
+    """The prefix store's flag, environment and description (see :func:`plan_serve`)."""
+    from . import kv_transfer_config
+
+    extra = {"cpu_bytes": cpu_bytes} if cpu_bytes is not None else {}
+    config = kv_transfer_config(store, disk_path=disk, disk_bytes=disk_bytes, as_json=True, **extra)
+    # the store lives in vLLM's scheduler process: the engine core's executor must keep the worker
+    # there (refused at build otherwise, see kvtier.vllm.store.spec)
+    if environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        raise ValueError(
+            "--store needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (the store lives in vLLM's scheduler process); "
+            "unset it or set it to 0"
+        )
+    where = f", blocks on disk in {disk}" if disk else ""
+    as_pages = ", blocks stored as their packed pages" if packed_pages else ""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return ["--kv-transfer-config", config], env, f"prefix store ({store}{where}{as_pages})"
+
+
 def plan_serve(
     model: str,
     *,
@@ -71,7 +90,7 @@ def plan_serve(
     """The server for ``model`` with packed pages of policy ``pages`` or the prefix store of policy
     ``store`` (``cpu_bytes``, ``disk``, ``disk_bytes`` as :func:`kvtier.vllm.kv_transfer_config`);
     neither: packed pages, ``default``. ``vllm_args`` go to the server after kvtier's own flags."""
-    from . import get_page_policy, kv_transfer_config, serve_args
+    from . import get_page_policy, serve_args
 
     environ = os.environ if environ is None else environ
     if store is None and (cpu_bytes is not None or disk is not None or disk_bytes is not None):
@@ -86,25 +105,13 @@ def plan_serve(
     what = []
     if pages is not None:
         ours += serve_args(pages)
-        kernels = ("vllm_paged_cpu", "prefill_cpu")
+        kernels = ("vllm_paged_cpu", "prefill_cpu") if get_page_policy(pages).packed else ()
         what.append(f"packed KV pages ({pages})")
     if store is not None:
-        extra = {"cpu_bytes": cpu_bytes} if cpu_bytes is not None else {}
-        config = kv_transfer_config(store, disk_path=disk, disk_bytes=disk_bytes, as_json=True, **extra)
-        ours += ["--kv-transfer-config", config]
-        # the store lives in vLLM's scheduler process: the engine core must run in this process's
-        # child, not in a process of its own (refused at build otherwise, see kvtier.vllm.store.spec)
-        if environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
-            raise ValueError(
-                "--store needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (the store lives in vLLM's scheduler process); "
-                "unset it or set it to 0"
-            )
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        where = f", blocks on disk in {disk}" if disk else ""
-        as_pages = (
-            ", blocks stored as their packed pages" if pages is not None and get_page_policy(pages).packed else ""
-        )
-        what.append(f"prefix store ({store}{where}{as_pages})")
+        flags, store_env, said = _store_part(store, cpu_bytes, disk, disk_bytes, environ, packed_pages=bool(kernels))
+        ours += flags
+        env |= store_env
+        what.append(said)
     what = " and ".join(what)
     twice = sorted(_flag_names(ours) & _flag_names(vllm_args))
     if twice:
