@@ -29,9 +29,10 @@ from kvtier.vllm.spec import engine_store  # noqa: E402
 
 STARTS = (1000, 9000, 17000)
 NO_HMA = {"disable_hybrid_kv_cache_manager": True}
-#: measured: the default (4-bit) store costs Gemma 3 270M +0.25 nats/token on one window (SmolLM2:
-#: < +0.05); the bound keeps the measured figure honest, BENCHMARKS.md gives the reason
-STORE_NLL_BOUND = 0.40
+#: measured: the default (4-bit) store costs Gemma 3 270M +0.18 nats/token over these 3 windows
+#: (SmolLM2, Qwen: < +0.05; the 8-bit `code` store: -0.01); a bound on the measured figure, not
+#: the +0.05 target (BENCHMARKS.md, "Gemma 3 270M through vLLM")
+STORE_NLL_BOUND = 0.30
 HERE = Path(__file__).parent
 
 
