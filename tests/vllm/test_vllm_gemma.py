@@ -25,7 +25,7 @@ pytest.importorskip("vllm.v1")
 from vllm_helpers import BLOCK, PREFIX, block_files, close_llm, generate, make_llm, teacher_nll  # noqa: E402
 
 from kvtier.vllm import kv_transfer_config  # noqa: E402
-from kvtier.vllm.spec import engine_store  # noqa: E402
+from kvtier.vllm.store.spec import engine_store  # noqa: E402
 
 STARTS = (1000, 9000, 17000)
 NO_HMA = {"disable_hybrid_kv_cache_manager": True}
