@@ -27,7 +27,7 @@ from . import build
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_vllm_paged_v20",
+        "kvtier_vllm_paged_v21",
         ("vllm_paged_attend.cpp", "vllm_paged_encode.cpp", "vllm_paged_decode.cpp"),
         ["vllm_paged_attend", "vllm_paged_update", "vllm_paged_decode"],
         ("-fno-math-errno",),

@@ -37,6 +37,9 @@
 #include "numeric.h"
 #include "vllm_paged.h"
 
+// score_page's parts are inlined into it (always_inline): the compiler sees one loop nest as before.
+#define KVTIER_INLINE inline __attribute__((always_inline))
+
 namespace {
 
 #if defined(__AVX512F__)
@@ -263,9 +266,104 @@ struct Rows {
 #endif
 };
 
+// qsc[row] = q[row] * s and qz[row] = (q[row] * s) . z for one key group (scales s, zeros z [D]).
+KVTIER_INLINE void scale_rows(const float* qf, int64_t R, int64_t D, const float* s, const float* z, float* qsc, float* qz) {
+  for (int64_t row = 0; row < R; ++row) {  // q * s and (q * s) . z of this key group
+    const float* qr = qf + row * D;
+    float* qq = qsc + row * D;
+    float zz = 0.f;
+#pragma omp simd reduction(+ : zz)
+    for (int64_t d = 0; d < D; ++d) {
+      qq[d] = qr[d] * s[d];
+      zz += qq[d] * z[d];
+    }
+    qz[row] = zz;
+  }
+}
+
+// Scores of tokens t, t + 16, ... < t1 of 4-bit codes kc (cb bytes each) 16 at a time (head_dim
+// 64, AVX-512; none among the sinks): on bf16 dot products where built, else unpacked once into kb.
+// Returns the first token left.
+KVTIER_INLINE int64_t score16_tokens(const Layout& L, const uint8_t* kc, int64_t cb, int64_t t, int64_t t1, const float* qsc,
+                              const float* qz, int64_t R, float* p, int64_t stride) {
+#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+  if (L.D == 64) {  // 16 tokens at a time on bf16 dot products (exact codes, q * s as hi + lo)
+    for (; t + 16 <= t1; t += 16) {
+      if (t < L.s) break;  // a sink among them: one at a time below
+      score16_codes_d64(kc + t * cb, qsc, R, qz, p, stride, t);
+    }
+  }
+#endif
+  if (L.D == 64) {  // 16 tokens at a time: unpacked once into kb, each row's 16 dot products reduced together
+    alignas(64) float kb[16 * 64];
+    for (; t + 16 <= t1; t += 16) {
+      if (t < L.s) break;  // a sink among them: one at a time below
+      for (int64_t i = 0; i < 16; ++i) {
+        __m512 a, b, c2, d2;
+        unpack32(kc + (t + i) * cb, a, b);
+        unpack32(kc + (t + i) * cb + 16, c2, d2);
+        _mm512_store_ps(kb + i * 64, a);
+        _mm512_store_ps(kb + i * 64 + 16, b);
+        _mm512_store_ps(kb + i * 64 + 32, c2);
+        _mm512_store_ps(kb + i * 64 + 48, d2);
+      }
+      score16_d64(kb, qsc, R, qz, p, stride, t);
+    }
+  }
+#endif
+  return t;
+}
+
+// Scores of one token t: the exact sink row (sk, t < s) against qf, or its 4-bit codes c against
+// q * s minus (q * s) . z; kf: a buffer of D floats.
+template <typename scalar_t>
+KVTIER_INLINE void score_token(const Layout& L, const scalar_t* sk, const uint8_t* kc, int64_t cb, int64_t t,
+                        const float* qf, const float* qsc, const float* qz, int64_t R, float* p, int64_t stride,
+                        float* kf) {
+  const int64_t D = L.D;
+  if (t < L.s) {  // exact sink token
+    load_row(sk + t * 2 * D, kf, D);
+    for (int64_t row = 0; row < R; ++row) {
+      const float* qr = qf + row * D;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t d = 0; d < D; ++d) acc += qr[d] * kf[d];
+      p[row * stride + t] = acc;
+    }
+    return;
+  }
+  const uint8_t* c = kc + t * cb;
+#if defined(__AVX512F__)
+  if (D % 32 == 0) {
+    __m512 kv[32];
+    for (int64_t j = 0; j < D / 32; ++j) unpack32(c + 16 * j, kv[2 * j], kv[2 * j + 1]);
+    for (int64_t row = 0; row < R; ++row) {
+      const float* qq = qsc + row * D;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qq), kv[0]);
+      for (int64_t j = 1; j < D / 16; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qq + 16 * j), kv[j], acc);
+      p[row * stride + t] = _mm512_reduce_add_ps(acc) - qz[row];
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < cb; ++j) {
+    kf[2 * j] = static_cast<float>(c[j] & 15);
+    kf[2 * j + 1] = static_cast<float>(c[j] >> 4);
+  }
+  for (int64_t row = 0; row < R; ++row) {
+    const float* qq = qsc + row * D;
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t d = 0; d < D; ++d) acc += qq[d] * kf[d];
+    p[row * stride + t] = acc - qz[row];
+  }
+}
+
 // Scores of one packed block of head h for R pre-scaled query rows qf [R, D]: p[row * stride + t]
 // = qf[row] . key(t) for its first n tokens (n = T for a full block; fewer for a cached block read
-// in part).
+// in part): per key group, the rows times its scales (scale_rows), then its tokens 16 at a time
+// (score16_tokens) and one at a time (score_token).
 template <typename scalar_t>
 void score_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, const float* qf, int64_t R, float* p,
                 int64_t stride, std::vector<float>& qsc, std::vector<float>& qz, std::vector<float>& kf,
@@ -279,82 +377,9 @@ void score_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, cons
     const int64_t g = t0 / L.kg, t1 = std::min(n, t0 + L.kg);
     halves_to_floats(ks + g * D, kf.data(), D);
     halves_to_floats(kz + g * D, vf.data(), D);
-    for (int64_t row = 0; row < R; ++row) {  // q * s and (q * s) . z of this key group
-      const float* qr = qf + row * D;
-      float* qq = qsc.data() + row * D;
-      float z = 0.f;
-#pragma omp simd reduction(+ : z)
-      for (int64_t d = 0; d < D; ++d) {
-        qq[d] = qr[d] * kf[d];
-        z += qq[d] * vf[d];
-      }
-      qz[row] = z;
-    }
-    int64_t t = t0;
-#if defined(__AVX512F__)
-#if defined(__AVX512BF16__)
-    if (D == 64) {  // 16 tokens at a time on bf16 dot products (exact codes, q * s as hi + lo)
-      for (; t + 16 <= t1; t += 16) {
-        if (t < L.s) break;  // a sink among them: one at a time below
-        score16_codes_d64(kc + t * cb, qsc.data(), R, qz.data(), p, stride, t);
-      }
-    }
-#endif
-    if (D == 64) {  // 16 tokens at a time: unpacked once into kb, each row's 16 dot products reduced together
-      alignas(64) float kb[16 * 64];
-      for (; t + 16 <= t1; t += 16) {
-        if (t < L.s) break;  // a sink among them: one at a time below
-        for (int64_t i = 0; i < 16; ++i) {
-          __m512 a, b, c2, d2;
-          unpack32(kc + (t + i) * cb, a, b);
-          unpack32(kc + (t + i) * cb + 16, c2, d2);
-          _mm512_store_ps(kb + i * 64, a);
-          _mm512_store_ps(kb + i * 64 + 16, b);
-          _mm512_store_ps(kb + i * 64 + 32, c2);
-          _mm512_store_ps(kb + i * 64 + 48, d2);
-        }
-        score16_d64(kb, qsc.data(), R, qz.data(), p, stride, t);
-      }
-    }
-#endif
-    for (; t < t1; ++t) {
-      if (t < L.s) {  // exact sink token
-        load_row(sk + t * 2 * D, kf.data(), D);
-        for (int64_t row = 0; row < R; ++row) {
-          const float* qr = qf + row * D;
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t d = 0; d < D; ++d) acc += qr[d] * kf[d];
-          p[row * stride + t] = acc;
-        }
-        continue;
-      }
-      const uint8_t* c = kc + t * cb;
-#if defined(__AVX512F__)
-      if (D % 32 == 0) {
-        __m512 kv[32];
-        for (int64_t j = 0; j < D / 32; ++j) unpack32(c + 16 * j, kv[2 * j], kv[2 * j + 1]);
-        for (int64_t row = 0; row < R; ++row) {
-          const float* qq = qsc.data() + row * D;
-          __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qq), kv[0]);
-          for (int64_t j = 1; j < D / 16; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qq + 16 * j), kv[j], acc);
-          p[row * stride + t] = _mm512_reduce_add_ps(acc) - qz[row];
-        }
-        continue;
-      }
-#endif
-      for (int64_t j = 0; j < cb; ++j) {
-        kf[2 * j] = static_cast<float>(c[j] & 15);
-        kf[2 * j + 1] = static_cast<float>(c[j] >> 4);
-      }
-      for (int64_t row = 0; row < R; ++row) {
-        const float* qq = qsc.data() + row * D;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t d = 0; d < D; ++d) acc += qq[d] * kf[d];
-        p[row * stride + t] = acc - qz[row];
-      }
-    }
+    scale_rows(qf, R, D, kf.data(), vf.data(), qsc.data(), qz.data());
+    int64_t t = score16_tokens(L, kc, cb, t0, t1, qsc.data(), qz.data(), R, p, stride);
+    for (; t < t1; ++t) score_token(L, sk, kc, cb, t, qf, qsc.data(), qz.data(), R, p, stride, kf.data());
   }
 }
 
