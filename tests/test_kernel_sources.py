@@ -61,9 +61,11 @@ def _build_load_files(path: Path) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load":
             if isinstance(node.func.value, ast.Name) and node.func.value.id == "build":
-                arg = node.args[1]
-                assert isinstance(arg, ast.Constant) and isinstance(arg.value, str), ast.dump(arg)
-                out.append(arg.value)
+                arg = node.args[1]  # one file, or a tuple of files built as one module
+                names = arg.elts if isinstance(arg, (ast.Tuple, ast.List)) else [arg]
+                for name in names:
+                    assert isinstance(name, ast.Constant) and isinstance(name.value, str), ast.dump(arg)
+                    out.append(name.value)
     return out
 
 
@@ -107,6 +109,23 @@ def test_the_compiled_text_has_its_csrc_includes_in_place(filename):
         assert text.count(body.rstrip("\n")) == 1
     # nothing in it depends on where the package is installed (one cached build for every install)
     assert str(ROOT) not in text
+
+
+def test_a_module_of_several_sources_has_each_header_once():
+    """One module built from several ``.cpp`` files (``vllm_paged_cpu``'s one file per call) is one
+    text: each file in order, each header's text once, at its first include."""
+    from kvtier.kernels import build
+
+    files = _build_load_files(PKG / "kernels" / "vllm_paged_cpu.py")
+    assert len(files) > 1
+    text = build.sources(files)
+    assert not _LOCAL_INCLUDE.search(text)
+    for header in {h for f in files for h in _LOCAL_INCLUDE.findall((CSRC / f).read_text(encoding="utf-8"))}:
+        body = build.source(header)
+        assert text.count(body.rstrip("\n")) == 1, header
+    positions = [text.index(build.source(f).splitlines()[0]) for f in files]
+    assert positions == sorted(positions)
+    assert build.sources(files[0]) == build.source(files[0])
 
 
 def _can_build() -> bool:

@@ -6,7 +6,9 @@ are built with; imports only the standard library and, when a kernel is built, `
 :mod:`kvtier.codecs.constants`. A source is handed to ``torch.utils.cpp_extension.load_inline`` as
 text, with every ``#include "x.h"`` of a ``csrc/`` file replaced by that file's text: the compiled
 text then depends only on the sources, not on where the package is installed, so every checkout and
-install shares one cached build (one per torch installation: see :func:`load`).
+install shares one cached build (one per torch installation: see :func:`load`). A module may be
+built from several sources (one translation unit, their texts in order: :func:`sources`); a header
+then comes in once, at its first include, as ``#pragma once`` would have it.
 
 A header in :func:`generated` (``codec_constants.h``: the codec constants, written from their Python
 definitions) is no file: its text comes from Python when a kernel is built, and a hash of it is part
@@ -20,7 +22,7 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any
 
@@ -56,14 +58,35 @@ def generated() -> dict[str, Callable[[], str]]:
     return {constants.HEADER: constants.header}
 
 
-def source(filename: str) -> str:
+def source(filename: str, seen: set[str] | None = None) -> str:
     """The C++ text of ``csrc/<filename>`` as compiled, its ``#include "..."`` lines replaced by those
-    files (or by a :func:`generated` header's text)."""
+    files (or by a :func:`generated` header's text). ``seen``: the headers already in the text this
+    one joins (updated); an include of one of them becomes a comment."""
     made = generated()
     if filename in made:
         return made[filename]()
     text = (resources.files(__package__) / "csrc" / filename).read_text(encoding="utf-8")
-    return _LOCAL_INCLUDE.sub(lambda m: source(m.group(1)).rstrip("\n"), text)
+    seen = set() if seen is None else seen
+
+    def include(m: re.Match) -> str:
+        header = m.group(1)
+        if header in seen:
+            return f'// #include "{header}": above'
+        seen.add(header)
+        return source(header, seen).rstrip("\n")
+
+    return _LOCAL_INCLUDE.sub(include, text)
+
+
+def sources(filenames: str | Sequence[str]) -> str:
+    """The C++ text a module of ``csrc/<filename>`` (one name or several) is built from: each file's
+    :func:`source` in order, a header once (at its first include)."""
+    seen: set[str] = set()
+    return "\n".join(source(f, seen) for f in _names(filenames))
+
+
+def _names(filenames: str | Sequence[str]) -> tuple[str, ...]:
+    return (filenames,) if isinstance(filenames, str) else tuple(filenames)
 
 
 def _generated_in(filename: str) -> list[str]:
@@ -75,19 +98,21 @@ def _generated_in(filename: str) -> list[str]:
     return [h for include in _LOCAL_INCLUDE.findall(text) for h in _generated_in(include)]
 
 
-def module_name(name: str, filename: str) -> str:
-    """The name ``csrc/<filename>`` is built as: ``name``, the torch tag (:func:`_torch_tag`) and, when
-    it includes a :func:`generated` header, 8 hex digits of that header's text."""
+def module_name(name: str, filename: str | Sequence[str]) -> str:
+    """The name ``csrc/<filename>`` (one name or several) is built as: ``name``, the torch tag
+    (:func:`_torch_tag`) and, when it includes a :func:`generated` header, 8 hex digits of that
+    header's text."""
     built = f"{name}_{_torch_tag()}"
     made = generated()
-    headers = "".join(made[h]() for h in dict.fromkeys(_generated_in(filename)))
+    headers = "".join(made[h]() for h in dict.fromkeys(h for f in _names(filename) for h in _generated_in(f)))
     if headers:
         built += "_" + hashlib.sha1(headers.encode()).hexdigest()[:8]
     return built
 
 
-def load(name: str, filename: str, functions: list[str], cflags: tuple[str, ...] = ()) -> Any:
-    """Build (or load torch's cached build of) ``csrc/<filename>`` as module ``name`` exposing ``functions``.
+def load(name: str, filename: str | Sequence[str], functions: list[str], cflags: tuple[str, ...] = ()) -> Any:
+    """Build (or load torch's cached build of) ``csrc/<filename>`` (one source, or several built as one:
+    :func:`sources`) as module ``name`` exposing ``functions``.
 
     Needs a C++ compiler and ninja; ``torch.utils.cpp_extension.load_inline`` generates the Python
     bindings. ``name`` carries a version suffix, bumped whenever the compiled text changes; the
@@ -97,7 +122,7 @@ def load(name: str, filename: str, functions: list[str], cflags: tuple[str, ...]
     """
     from torch.utils.cpp_extension import load_inline
 
-    text = source(filename)
+    text = sources(filename)
     built = module_name(name, filename)
     try:
         return _load(load_inline, built + "_omp", text, functions, (*cflags, *OPENMP_FLAGS), OPENMP_FLAGS)

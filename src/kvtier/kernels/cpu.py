@@ -29,7 +29,7 @@ from . import build
 
 @functools.lru_cache(maxsize=1)
 def _module():
-    return build.load("kvtier_cpu_v11", "packed_attention.cpp", ["packed_attention"], ("-fno-math-errno",))
+    return build.load("kvtier_cpu_v12", "packed_attention.cpp", ["packed_attention"], ("-fno-math-errno",))
 
 
 @functools.lru_cache(maxsize=1)

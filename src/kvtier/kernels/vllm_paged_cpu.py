@@ -9,9 +9,11 @@ caller's tensor. :func:`update`: packs the blocks a step fills (the bytes of
 :meth:`kvtier.codecs.pages.PageFormat.encode`) and writes the other new tokens into the side
 buffer. :func:`decode`: whole pages into token-major rows of the model dtype. The torch references
 are the torch backend of :class:`kvtier.vllm.pages.attention.PagedAttention` (whose ``"cpp"`` backend
-calls these) and :meth:`~kvtier.codecs.pages.PageFormat.decode`. The C++ is ``csrc/vllm_paged_attention.cpp``, built
-by :mod:`kvtier.kernels.build`; when that fails :func:`available` is False and callers use the
-torch path. Imports only torch and ``.build``.
+calls these) and :meth:`~kvtier.codecs.pages.PageFormat.decode`. The C++ is one file per call,
+``csrc/vllm_paged_attend.cpp``, ``vllm_paged_encode.cpp`` and ``vllm_paged_decode.cpp`` (over
+``vllm_paged.h``, the pieces they share, and ``page_codes.h``, the page), built as one module by
+:mod:`kvtier.kernels.build`; when that fails :func:`available` is False and callers use the torch
+path. Imports only torch and ``.build``.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from . import build
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_vllm_paged_v19",
-        "vllm_paged_attention.cpp",
+        "kvtier_vllm_paged_v21",
+        ("vllm_paged_attend.cpp", "vllm_paged_encode.cpp", "vllm_paged_decode.cpp"),
         ["vllm_paged_attend", "vllm_paged_update", "vllm_paged_decode"],
         ("-fno-math-errno",),
     )

@@ -1,18 +1,9 @@
-// One layer of one vLLM step over kvtier's packed pages (kvtier/codecs/pages.py), in two calls:
-//
-// vllm_paged_attend: attention of each request's new tokens over its packed blocks (block table)
-//   and its exact tokens, read in place in the model dtype: the side buffer's rows of its partly
-//   filled block, then the step's new K/V (causal). Output written straight into vLLM's output.
-// vllm_paged_update: packs the blocks this step fills (KIVI page of 4-bit keys and 4- or 3-bit
-//   values, the bytes of PageFormat.encode) and writes the other new tokens into the side buffer.
-// vllm_paged_decode: whole pages decoded into token-major rows of the model dtype (prefill chunks
-//   attend them through vLLM's own kernels: kvtier/vllm/prefill.py).
-//
-// Page of one block (byte offsets given by the caller): kscale/kzero fp16 [H, T/kg, D],
-// vscale/vzero fp16 [H, T, D/vg], sink [H, s, 2, D] (model dtype), kcodes uint8 [H, T, D/2] (4-bit
-// codes, low nibble first), vcodes uint8 [H, T, D*vb/8] (vb = 4, or 3: kvtier.quant.pack_bits's
-// planes, a 2-bit plane of D/4 bytes then a 1-bit plane of D/8). Keys are (c - z) * s per channel,
-// values per token group.
+// vllm_paged_attend: one layer's attention of one vLLM step over kvtier's packed pages
+// (kvtier/codecs/pages.py): attention of each request's new tokens over its packed blocks (block
+// table) and its exact tokens, read in place in the model dtype: the side buffer's rows of its partly
+// filled block, then the step's new K/V (causal). Output written straight into vLLM's output. One
+// module with the step's two other calls, vllm_paged_encode.cpp (update) and vllm_paged_decode.cpp;
+// vllm_paged.h holds the pieces they share, page_codes.h the page's layout and codes.
 //
 // Per (request, kv head) task, every query row that shares the head (G query heads x q tokens) runs
 // an online softmax over: the packed blocks (all visible; a cached block read in part: its first
@@ -23,12 +14,12 @@
 // max_query new tokens scores all its packed tokens first, then folds the values of only the tokens
 // some row keeps (row mass rule, local window, sinks). Tasks run on torch's threads (built with
 // OpenMP: kvtier/kernels/build.py).
-// References: kvtier.vllm.paged.attend_layer and update_layer.
+// Reference: kvtier.vllm.pages.paged.attend_request.
 //
-// Sections: page helpers (codes from page_codes.h: layout, code widths), the online softmax (Rows) and
-// the per-page steps (score_page, fold_page, attend_page, select_row, keep_tokens); attend (plan_splits,
-// sparse_packed, dense_packed, exact_rows, merge_splits); encode (gather_rows, encode_keys,
-// encode_values); decode; the checked entry points.
+// Sections: the online softmax (Rows) and the per-page steps (score_page, fold_page, attend_page,
+// select_row, keep_tokens); the tasks of one call (plan_splits, sparse_packed, dense_packed,
+// exact_rows, merge_splits, attend_impl); the checked entry point.
+
 #include <torch/extension.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -42,14 +33,14 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#include "codec_constants.h"
 #include "page_codes.h"
 #include "numeric.h"
+#include "vllm_paged.h"
+
+// score_page's parts are inlined into it (always_inline): the compiler sees one loop nest as before.
+#define KVTIER_INLINE inline __attribute__((always_inline))
 
 namespace {
-using kvtier_pages::code_at;
-
-constexpr float kInf = std::numeric_limits<float>::infinity();
 
 #if defined(__AVX512F__)
 // 32 4-bit codes (16 bytes, low nibble first) as two vectors of 16 floats, in code order.
@@ -145,33 +136,6 @@ inline void score16_codes_d64(const uint8_t* kc, const float* qs, int64_t R, con
   }
 }
 #endif
-
-// A row of D elements of the model dtype as fp32 (times mul).
-template <typename T>
-inline void load_row(const T* src, float* dst, int64_t D, float mul = 1.f) {
-  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * mul;
-}
-
-template <typename T>
-inline void store_row(const float* src, T* dst, int64_t D, float mul) {
-  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[d] * mul);
-}
-
-using kvtier_pages::Layout;
-using kvtier_pages::read_layout;
-
-// Inverse of code_at for a whole row: codes [D] (< 2**vb) into row [D * vb / 8]
-inline void pack_row(const uint8_t* codes, int64_t D, int64_t vb, uint8_t* row) {
-  if (vb == 4) {
-    for (int64_t i = 0; i < D / 2; ++i) row[i] = codes[2 * i] | (codes[2 * i + 1] << 4);
-    return;
-  }
-  std::memset(row, 0, D * vb / 8);
-  for (int64_t d = 0; d < D; ++d) {
-    row[d / 4] |= (codes[d] & 3) << (2 * (d & 3));
-    row[D / 4 + d / 8] |= ((codes[d] >> 2) & 1) << (d & 7);
-  }
-}
 
 // max(init, p[0..n))
 inline float row_max(const float* p, int64_t n, float init) {
@@ -302,9 +266,104 @@ struct Rows {
 #endif
 };
 
+// qsc[row] = q[row] * s and qz[row] = (q[row] * s) . z for one key group (scales s, zeros z [D]).
+KVTIER_INLINE void scale_rows(const float* qf, int64_t R, int64_t D, const float* s, const float* z, float* qsc, float* qz) {
+  for (int64_t row = 0; row < R; ++row) {  // q * s and (q * s) . z of this key group
+    const float* qr = qf + row * D;
+    float* qq = qsc + row * D;
+    float zz = 0.f;
+#pragma omp simd reduction(+ : zz)
+    for (int64_t d = 0; d < D; ++d) {
+      qq[d] = qr[d] * s[d];
+      zz += qq[d] * z[d];
+    }
+    qz[row] = zz;
+  }
+}
+
+// Scores of tokens t, t + 16, ... < t1 of 4-bit codes kc (cb bytes each) 16 at a time (head_dim
+// 64, AVX-512; none among the sinks): on bf16 dot products where built, else unpacked once into kb.
+// Returns the first token left.
+KVTIER_INLINE int64_t score16_tokens(const Layout& L, const uint8_t* kc, int64_t cb, int64_t t, int64_t t1, const float* qsc,
+                              const float* qz, int64_t R, float* p, int64_t stride) {
+#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+  if (L.D == 64) {  // 16 tokens at a time on bf16 dot products (exact codes, q * s as hi + lo)
+    for (; t + 16 <= t1; t += 16) {
+      if (t < L.s) break;  // a sink among them: one at a time below
+      score16_codes_d64(kc + t * cb, qsc, R, qz, p, stride, t);
+    }
+  }
+#endif
+  if (L.D == 64) {  // 16 tokens at a time: unpacked once into kb, each row's 16 dot products reduced together
+    alignas(64) float kb[16 * 64];
+    for (; t + 16 <= t1; t += 16) {
+      if (t < L.s) break;  // a sink among them: one at a time below
+      for (int64_t i = 0; i < 16; ++i) {
+        __m512 a, b, c2, d2;
+        unpack32(kc + (t + i) * cb, a, b);
+        unpack32(kc + (t + i) * cb + 16, c2, d2);
+        _mm512_store_ps(kb + i * 64, a);
+        _mm512_store_ps(kb + i * 64 + 16, b);
+        _mm512_store_ps(kb + i * 64 + 32, c2);
+        _mm512_store_ps(kb + i * 64 + 48, d2);
+      }
+      score16_d64(kb, qsc, R, qz, p, stride, t);
+    }
+  }
+#endif
+  return t;
+}
+
+// Scores of one token t: the exact sink row (sk, t < s) against qf, or its 4-bit codes c against
+// q * s minus (q * s) . z; kf: a buffer of D floats.
+template <typename scalar_t>
+KVTIER_INLINE void score_token(const Layout& L, const scalar_t* sk, const uint8_t* kc, int64_t cb, int64_t t,
+                        const float* qf, const float* qsc, const float* qz, int64_t R, float* p, int64_t stride,
+                        float* kf) {
+  const int64_t D = L.D;
+  if (t < L.s) {  // exact sink token
+    load_row(sk + t * 2 * D, kf, D);
+    for (int64_t row = 0; row < R; ++row) {
+      const float* qr = qf + row * D;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t d = 0; d < D; ++d) acc += qr[d] * kf[d];
+      p[row * stride + t] = acc;
+    }
+    return;
+  }
+  const uint8_t* c = kc + t * cb;
+#if defined(__AVX512F__)
+  if (D % 32 == 0) {
+    __m512 kv[32];
+    for (int64_t j = 0; j < D / 32; ++j) unpack32(c + 16 * j, kv[2 * j], kv[2 * j + 1]);
+    for (int64_t row = 0; row < R; ++row) {
+      const float* qq = qsc + row * D;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qq), kv[0]);
+      for (int64_t j = 1; j < D / 16; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qq + 16 * j), kv[j], acc);
+      p[row * stride + t] = _mm512_reduce_add_ps(acc) - qz[row];
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < cb; ++j) {
+    kf[2 * j] = static_cast<float>(c[j] & 15);
+    kf[2 * j + 1] = static_cast<float>(c[j] >> 4);
+  }
+  for (int64_t row = 0; row < R; ++row) {
+    const float* qq = qsc + row * D;
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t d = 0; d < D; ++d) acc += qq[d] * kf[d];
+    p[row * stride + t] = acc - qz[row];
+  }
+}
+
 // Scores of one packed block of head h for R pre-scaled query rows qf [R, D]: p[row * stride + t]
 // = qf[row] . key(t) for its first n tokens (n = T for a full block; fewer for a cached block read
-// in part).
+// in part): per key group, the rows times its scales (scale_rows), then its tokens 16 at a time
+// (score16_tokens) and one at a time (score_token).
 template <typename scalar_t>
 void score_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, const float* qf, int64_t R, float* p,
                 int64_t stride, std::vector<float>& qsc, std::vector<float>& qz, std::vector<float>& kf,
@@ -318,82 +377,9 @@ void score_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, cons
     const int64_t g = t0 / L.kg, t1 = std::min(n, t0 + L.kg);
     halves_to_floats(ks + g * D, kf.data(), D);
     halves_to_floats(kz + g * D, vf.data(), D);
-    for (int64_t row = 0; row < R; ++row) {  // q * s and (q * s) . z of this key group
-      const float* qr = qf + row * D;
-      float* qq = qsc.data() + row * D;
-      float z = 0.f;
-#pragma omp simd reduction(+ : z)
-      for (int64_t d = 0; d < D; ++d) {
-        qq[d] = qr[d] * kf[d];
-        z += qq[d] * vf[d];
-      }
-      qz[row] = z;
-    }
-    int64_t t = t0;
-#if defined(__AVX512F__)
-#if defined(__AVX512BF16__)
-    if (D == 64) {  // 16 tokens at a time on bf16 dot products (exact codes, q * s as hi + lo)
-      for (; t + 16 <= t1; t += 16) {
-        if (t < L.s) break;  // a sink among them: one at a time below
-        score16_codes_d64(kc + t * cb, qsc.data(), R, qz.data(), p, stride, t);
-      }
-    }
-#endif
-    if (D == 64) {  // 16 tokens at a time: unpacked once into kb, each row's 16 dot products reduced together
-      alignas(64) float kb[16 * 64];
-      for (; t + 16 <= t1; t += 16) {
-        if (t < L.s) break;  // a sink among them: one at a time below
-        for (int64_t i = 0; i < 16; ++i) {
-          __m512 a, b, c2, d2;
-          unpack32(kc + (t + i) * cb, a, b);
-          unpack32(kc + (t + i) * cb + 16, c2, d2);
-          _mm512_store_ps(kb + i * 64, a);
-          _mm512_store_ps(kb + i * 64 + 16, b);
-          _mm512_store_ps(kb + i * 64 + 32, c2);
-          _mm512_store_ps(kb + i * 64 + 48, d2);
-        }
-        score16_d64(kb, qsc.data(), R, qz.data(), p, stride, t);
-      }
-    }
-#endif
-    for (; t < t1; ++t) {
-      if (t < L.s) {  // exact sink token
-        load_row(sk + t * 2 * D, kf.data(), D);
-        for (int64_t row = 0; row < R; ++row) {
-          const float* qr = qf + row * D;
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t d = 0; d < D; ++d) acc += qr[d] * kf[d];
-          p[row * stride + t] = acc;
-        }
-        continue;
-      }
-      const uint8_t* c = kc + t * cb;
-#if defined(__AVX512F__)
-      if (D % 32 == 0) {
-        __m512 kv[32];
-        for (int64_t j = 0; j < D / 32; ++j) unpack32(c + 16 * j, kv[2 * j], kv[2 * j + 1]);
-        for (int64_t row = 0; row < R; ++row) {
-          const float* qq = qsc.data() + row * D;
-          __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qq), kv[0]);
-          for (int64_t j = 1; j < D / 16; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qq + 16 * j), kv[j], acc);
-          p[row * stride + t] = _mm512_reduce_add_ps(acc) - qz[row];
-        }
-        continue;
-      }
-#endif
-      for (int64_t j = 0; j < cb; ++j) {
-        kf[2 * j] = static_cast<float>(c[j] & 15);
-        kf[2 * j + 1] = static_cast<float>(c[j] >> 4);
-      }
-      for (int64_t row = 0; row < R; ++row) {
-        const float* qq = qsc.data() + row * D;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t d = 0; d < D; ++d) acc += qq[d] * kf[d];
-        p[row * stride + t] = acc - qz[row];
-      }
-    }
+    scale_rows(qf, R, D, kf.data(), vf.data(), qsc.data(), qz.data());
+    int64_t t = score16_tokens(L, kc, cb, t0, t1, qsc.data(), qz.data(), R, p, stride);
+    for (; t < t1; ++t) score_token(L, sk, kc, cb, t, qf, qsc.data(), qz.data(), R, p, stride, kf.data());
   }
 }
 
@@ -486,7 +472,7 @@ void attend_page(const Layout& L, const uint8_t* page, int64_t h, int64_t n, con
 }
 
 // Sparse decode (kvtier.policy.SparsePolicy's select="tokens", method="mass", in
-// kvtier.vllm.paged._select_reference): rows of a request with at most max_query new tokens score
+// kvtier.vllm.pages.paged.select_packed): rows of a request with at most max_query new tokens score
 // every packed token, then fold the values of only the tokens some row needs: the smallest set of
 // factor-of-two weight buckets (relative to the row's largest packed score) whose complement holds
 // at most 1 - level of the row's packed softmax mass, plus the last `window` tokens before the new
@@ -581,7 +567,7 @@ inline int64_t keep_tokens(const float* e, int64_t ntot, int64_t base, int64_t n
   return nk;
 }
 
-// --- attend: the tasks of one call (kvtier.vllm.paged.attend_layer) ---
+// --- attend: the tasks of one call (kvtier.vllm.pages.paged.attend_request) ---
 
 // The tensors of one attend call as pointers and strides (rows of q, key, value, out: [tokens, heads, D]).
 template <typename scalar_t, typename out_t>
@@ -632,7 +618,7 @@ struct Request {
   int64_t q0, qn, slot, nside, hblock, hrows;
 };
 
-// _sparse_packed (kvtier.vllm.paged): every packed score of head h first, each row's threshold
+// _sparse_packed (kvtier.vllm.pages.paged): every packed score of head h first, each row's threshold
 // (select_row), then the values of the tokens some row keeps (keep_tokens, fold_page). Adds the
 // (row, token) pairs valued and the tokens scored.
 template <typename scalar_t, typename out_t>
@@ -756,7 +742,7 @@ void merge_splits(const Call<scalar_t, out_t>& C, const Splits& S, int64_t nreq,
   }
 }
 
-// _attend_request (kvtier.vllm.paged) for every (request, KV head): the packed part (sparse_packed or
+// _attend_request (kvtier.vllm.pages.paged) for every (request, KV head): the packed part (sparse_packed or
 // dense_packed), the exact rows, then the rows normalized into out (or a split's state kept for merge_splits).
 template <typename scalar_t, typename out_t>
 void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Tensor value, torch::Tensor side,
@@ -815,203 +801,6 @@ void attend_impl(const Layout& L, torch::Tensor q, torch::Tensor key, torch::Ten
     counts[0] += valued.load();
     counts[1] += scored.load();
   }
-}
-
-// --- encode: PageFormat.encode (kvtier.codecs.pages) of the blocks a step fills ---
-
-// kvtier.quant.fit_scale_zero for one group: fp16 bits of (scale, zero) from fp32 min / max
-// (mn > mx: a group without valid entries). The same fp32 operations, so the same fp16 values; its
-// constants (ZERO_MAX, SCALE_EPS, SCALE_ROUND) come from Python (codec_constants.h, kvtier.codecs.constants).
-inline void fit_scale_zero(float mn, float mx, float qmax, uint16_t& scale_h, uint16_t& zero_h, float& scale,
-                           float& zero) {
-  using namespace kvtier_codec;
-  if (mn > mx) mn = mx = 0.f;
-  const float amax = std::max(std::fabs(mn), std::fabs(mx));
-  float s = std::max((mx - mn) / qmax, amax / kZeroMax);
-  s = std::max(s, kScaleEps);
-  scale_h = float_to_half_bits(s * (1.f + kScaleRound));
-  scale = half_to_float(scale_h);
-  zero_h = float_to_half_bits(-mn / scale);
-  zero = half_to_float(zero_h);
-}
-
-inline uint8_t code_of(float x, float scale, float zero, float qmax) {
-  const float c = std::nearbyint(x / scale + zero);  // torch.round: half to even
-  return static_cast<uint8_t>(std::min(qmax, std::max(0.f, c)));
-}
-
-// The rows a step writes: its new keys and values [N, H, D] and the layer's side buffer.
-template <typename scalar_t>
-struct NewRows {
-  scalar_t* sp;
-  const scalar_t *kp, *vp;
-  int64_t ks0, ks1, vs0, vs1;
-  int64_t side_row;  // one token of a side slot: [2, H, D]
-};
-
-// Block rows of head h as fp32 k, v [T, D]: side rows of `slot` before `start`, then the new tokens
-// from `first`; the first s (sink) rows also copied exact into the page.
-template <typename scalar_t>
-void gather_rows(const Layout& L, const NewRows<scalar_t>& N, int64_t h, int64_t slot, int64_t start, int64_t first,
-                 uint8_t* page, float* k, float* v) {
-  const int64_t H = L.H, D = L.D, T = L.T, s = L.s;
-  for (int64_t t = 0; t < T; ++t) {
-    const scalar_t* kr =
-        t < start ? N.sp + (slot * T + t) * N.side_row + h * D : N.kp + (first + t - start) * N.ks0 + h * N.ks1;
-    const scalar_t* vr =
-        t < start ? N.sp + (slot * T + t) * N.side_row + H * D + h * D : N.vp + (first + t - start) * N.vs0 + h * N.vs1;
-    load_row(kr, k + t * D, D);
-    load_row(vr, v + t * D, D);
-    if (t < s) {
-      scalar_t* sk = reinterpret_cast<scalar_t*>(page + L.sink) + ((h * s + t) * 2) * D;
-      std::memcpy(sk, kr, D * sizeof(scalar_t));
-      std::memcpy(sk + D, vr, D * sizeof(scalar_t));
-    }
-  }
-}
-
-// Keys of head h: per channel over each group of kg tokens (the block's first s tokens left out of
-// the range), 4-bit codes packed into the page.
-void encode_keys(const Layout& L, int64_t h, const float* k, uint8_t* codes, uint8_t* page) {
-  const int64_t D = L.D, T = L.T, s = L.s, kg = L.kg, nkg = T / kg, cb = D / 2;
-  uint16_t* ksc = reinterpret_cast<uint16_t*>(page + L.kscale) + h * nkg * D;
-  uint16_t* kzr = reinterpret_cast<uint16_t*>(page + L.kzero) + h * nkg * D;
-  for (int64_t g = 0; g < nkg; ++g) {
-    for (int64_t d = 0; d < D; ++d) {
-      float mn = kInf, mx = -kInf;
-      for (int64_t t = std::max(g * kg, s); t < (g + 1) * kg; ++t) {
-        mn = std::min(mn, k[t * D + d]);
-        mx = std::max(mx, k[t * D + d]);
-      }
-      float scale, zero;
-      fit_scale_zero(mn, mx, 15.f, ksc[g * D + d], kzr[g * D + d], scale, zero);
-      for (int64_t t = g * kg; t < (g + 1) * kg; ++t) codes[t * D + d] = code_of(k[t * D + d], scale, zero, 15.f);
-    }
-  }
-  uint8_t* kc = page + L.kcodes + h * T * cb;
-  for (int64_t t = 0; t < T; ++t) pack_row(codes + t * D, D, 4, kc + t * cb);
-}
-
-// Values of head h: per token over groups of vg channels, vb-bit codes packed into the page.
-void encode_values(const Layout& L, int64_t h, const float* v, uint8_t* codes, uint8_t* page) {
-  const int64_t D = L.D, T = L.T, vg = L.vg, nvg = D / vg, cv = L.vrow();
-  const float vmax = static_cast<float>((1 << L.vb) - 1);
-  uint16_t* vsc = reinterpret_cast<uint16_t*>(page + L.vscale) + h * T * nvg;
-  uint16_t* vzr = reinterpret_cast<uint16_t*>(page + L.vzero) + h * T * nvg;
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t gg = 0; gg < nvg; ++gg) {
-      const float* x = v + t * D + gg * vg;
-      float mn = kInf, mx = -kInf;
-      for (int64_t d = 0; d < vg; ++d) {
-        mn = std::min(mn, x[d]);
-        mx = std::max(mx, x[d]);
-      }
-      float scale, zero;
-      fit_scale_zero(mn, mx, vmax, vsc[t * nvg + gg], vzr[t * nvg + gg], scale, zero);
-      for (int64_t d = 0; d < vg; ++d) codes[t * D + gg * vg + d] = code_of(x[d], scale, zero, vmax);
-    }
-  }
-  uint8_t* vc = page + L.vcodes + h * T * cv;
-  for (int64_t t = 0; t < T; ++t) pack_row(codes + t * D, D, L.vb, vc + t * cv);
-}
-
-// update_layer (kvtier.vllm.paged): pack the blocks this step fills (gather_rows, encode_keys,
-// encode_values; reads side rows: before any side write), then the other new tokens into their side rows.
-template <typename scalar_t>
-void update_impl(const Layout& L, torch::Tensor pages, torch::Tensor side, torch::Tensor key, torch::Tensor value,
-                 torch::Tensor enc, torch::Tensor writes) {
-  const int64_t H = L.H, D = L.D, T = L.T;
-  const NewRows<scalar_t> N{side.data_ptr<scalar_t>(), key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(),
-                            key.stride(0), key.stride(1), value.stride(0), value.stride(1), 2 * H * D};
-  uint8_t* pg = pages.data_ptr<uint8_t>();
-  const int64_t* en = enc.data_ptr<int64_t>();
-  const int64_t used = L.vcodes + H * T * L.vrow();
-  at::parallel_for(0, enc.size(0) * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> k(T * D), v(T * D);
-    std::vector<uint8_t> codes(T * D);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / H, h = task % H;
-      const int64_t* e = en + 4 * b;  // page, side slot, side rows, first new token
-      uint8_t* page = pg + e[0] * L.page;
-      if (h == 0) std::memset(page + used, 0, L.page - used);
-      gather_rows(L, N, h, e[1], e[2], e[3], page, k.data(), v.data());
-      encode_keys(L, h, k.data(), codes.data(), page);
-      encode_values(L, h, v.data(), codes.data(), page);
-    }
-  });
-  const int64_t* w = writes.data_ptr<int64_t>();
-  for (int64_t i = 0; i < writes.size(0); ++i) {
-    const int64_t row = w[2 * i], tok = w[2 * i + 1];
-    scalar_t* dst = N.sp + row * N.side_row;
-    for (int64_t h = 0; h < H; ++h) {
-      std::memcpy(dst + h * D, N.kp + tok * N.ks0 + h * N.ks1, D * sizeof(scalar_t));
-      std::memcpy(dst + H * D + h * D, N.vp + tok * N.vs0 + h * N.vs1, D * sizeof(scalar_t));
-    }
-  }
-}
-
-// --- decode ---
-
-// Decode whole pages into token-major rows of the model dtype: PageFormat.decode(pages, dtype), the
-// same fp32 operations ((c - z) * s, then rounded once), written at out[i * T + t, h, :].
-template <typename page_t, typename scalar_t>
-void decode_impl(const Layout& L, torch::Tensor pages, torch::Tensor pids, torch::Tensor ko, torch::Tensor vo) {
-  const int64_t H = L.H, D = L.D, T = L.T, s = L.s, nkg = T / L.kg, nvg = D / L.vg, cb = D / 2, cv = L.vrow();
-  const uint8_t* pg = pages.data_ptr<uint8_t>();
-  const int64_t* pid = pids.data_ptr<int64_t>();
-  scalar_t* kp = ko.data_ptr<scalar_t>();
-  scalar_t* vp = vo.data_ptr<scalar_t>();
-  at::parallel_for(0, pids.size(0) * H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / H, h = task % H;
-      const uint8_t* page = pg + pid[i] * L.page;
-      const uint16_t* ks = reinterpret_cast<const uint16_t*>(page + L.kscale) + h * nkg * D;
-      const uint16_t* kz = reinterpret_cast<const uint16_t*>(page + L.kzero) + h * nkg * D;
-      const uint16_t* vs = reinterpret_cast<const uint16_t*>(page + L.vscale) + h * T * nvg;
-      const uint16_t* vz = reinterpret_cast<const uint16_t*>(page + L.vzero) + h * T * nvg;
-      const page_t* sk = reinterpret_cast<const page_t*>(page + L.sink) + h * s * 2 * D;
-      const uint8_t* kc = page + L.kcodes + h * T * cb;
-      const uint8_t* vc = page + L.vcodes + h * T * cv;
-      for (int64_t t = 0; t < T; ++t) {
-        scalar_t* kr = kp + ((i * T + t) * H + h) * D;
-        scalar_t* vr = vp + ((i * T + t) * H + h) * D;
-        if (t < s) {  // exact sink token, stored in the model dtype
-          for (int64_t d = 0; d < D; ++d) {
-            kr[d] = static_cast<scalar_t>(static_cast<float>(sk[t * 2 * D + d]));
-            vr[d] = static_cast<scalar_t>(static_cast<float>(sk[t * 2 * D + D + d]));
-          }
-          continue;
-        }
-        const int64_t g = t / L.kg;
-        for (int64_t d = 0; d < D; ++d) {
-          const float ck = static_cast<float>((kc[t * cb + d / 2] >> (4 * (d & 1))) & 15);
-          const float cvd = static_cast<float>(code_at(vc + t * cv, d, L.vb, D));
-          const float k = (ck - half_to_float(kz[g * D + d])) * half_to_float(ks[g * D + d]);
-          const float v = (cvd - half_to_float(vz[t * nvg + d / L.vg])) * half_to_float(vs[t * nvg + d / L.vg]);
-          kr[d] = static_cast<scalar_t>(k);
-          vr[d] = static_cast<scalar_t>(v);
-        }
-      }
-    }
-  });
-}
-
-void check_rows(const torch::Tensor& x, const char* what, at::ScalarType dtype) {
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.scalar_type() == dtype, what,
-              ": [N, heads, D] with contiguous rows in the model dtype");
-}
-
-void check_index(const torch::Tensor& x, const char* what, int64_t cols) {
-  TORCH_CHECK(x.scalar_type() == torch::kInt64 && x.is_contiguous() && (cols == 0 ? x.dim() == 1 : x.dim() == 2 && x.size(1) == cols),
-              what, ": contiguous int64 index of the wrong shape");
-}
-
-// Every index the kernels follow lies in range: a wrong one is a one-line error naming it, never a
-// read or write out of bounds. O(requests + pages) per call.
-void check_pages(const torch::Tensor& pids, int64_t from, int64_t to, int64_t npages) {
-  const int64_t* pid = pids.data_ptr<int64_t>();
-  for (int64_t i = from; i < to; ++i)
-    TORCH_CHECK(0 <= pid[i] && pid[i] < npages, "pids[", i, "] = ", pid[i], " is outside the ", npages, " pages");
 }
 
 void check_requests(const torch::Tensor& reqs, const torch::Tensor& pstart, const torch::Tensor& pids, int64_t rows,
@@ -1083,73 +872,5 @@ void vllm_paged_attend(
       attend_impl<scalar_t, float>(L, q, key, value, side, pages, reqs, pstart, pids, out, scale, sel, cnt);
     else
       attend_impl<scalar_t, scalar_t>(L, q, key, value, side, pages, reqs, pstart, pids, out, scale, sel, cnt);
-  });
-}
-
-void vllm_paged_update(
-    torch::Tensor pages,      // uint8 [B, page]
-    torch::Tensor side,       // [slots, T, 2, H, D]
-    torch::Tensor key,        // [N, H, D]
-    torch::Tensor value,      // [N, H, D]
-    torch::Tensor enc,        // int64 [E, 4]: page, side slot, side rows, first new token of each block to pack
-    torch::Tensor writes,     // int64 [W, 2]: side row (slot * T + offset), new token
-    std::vector<int64_t> lay  // as vllm_paged_attend
-) {
-  const Layout L = read_layout(lay);
-  const auto dt = key.scalar_type();
-  check_rows(key, "key", dt);
-  check_rows(value, "value", dt);
-  TORCH_CHECK(side.is_contiguous() && side.scalar_type() == dt && side.dim() == 5, "side: contiguous [slots, T, 2, H, D]");
-  TORCH_CHECK(pages.is_contiguous() && pages.size(1) == L.page, "pages: contiguous [B, page]");
-  TORCH_CHECK(L.D % 2 == 0 && L.T % L.kg == 0 && L.D % L.vg == 0, "layout");
-  check_index(enc, "enc", 4);
-  check_index(writes, "writes", 2);
-  TORCH_CHECK(key.size(1) == L.H && value.size(1) == L.H && key.size(2) == L.D && value.size(2) == L.D,
-              "key, value: [N, H, D] of the layout's heads and head_dim");
-  TORCH_CHECK(side.size(1) == L.T && side.size(2) == 2 && side.size(3) == L.H && side.size(4) == L.D,
-              "side: [slots, T, 2, H, D] of the layout");
-  {
-    const int64_t N = std::min(key.size(0), value.size(0)), slots = side.size(0);
-    const int64_t* en = enc.data_ptr<int64_t>();
-    for (int64_t b = 0; b < enc.size(0); ++b) {
-      const int64_t* e = en + 4 * b;  // page, side slot, side rows, first new token
-      TORCH_CHECK(0 <= e[0] && e[0] < pages.size(0), "enc[", b, "]: page ", e[0], " is outside the ", pages.size(0),
-                  " pages");
-      TORCH_CHECK(0 <= e[2] && e[2] <= L.T && (e[2] == 0 || (0 <= e[1] && e[1] < slots)), "enc[", b, "]: side slot ",
-                  e[1], " with ", e[2], " rows is outside ", slots, " slots of ", L.T, " rows");
-      TORCH_CHECK(e[2] == L.T || (0 <= e[3] && e[3] + L.T - e[2] <= N), "enc[", b, "]: new tokens from ", e[3],
-                  " run past the ", N, " rows of key and value");
-    }
-    const int64_t* wr = writes.data_ptr<int64_t>();
-    for (int64_t i = 0; i < writes.size(0); ++i)
-      TORCH_CHECK(0 <= wr[2 * i] && wr[2 * i] < slots * L.T && 0 <= wr[2 * i + 1] && wr[2 * i + 1] < N, "writes[", i,
-                  "]: side row ", wr[2 * i], " / token ", wr[2 * i + 1], " outside ", slots * L.T, " side rows / ", N,
-                  " new tokens");
-  }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "vllm_paged_update",
-                                  [&] { update_impl<scalar_t>(L, pages, side, key, value, enc, writes); });
-}
-
-void vllm_paged_decode(
-    torch::Tensor pages,      // uint8 [B, page]
-    torch::Tensor pids,       // int64 [n]: pages to decode
-    torch::Tensor key,        // [n * T, H, D] contiguous, fp32 or the model dtype: written
-    torch::Tensor value,      // [n * T, H, D]
-    torch::Tensor like,       // any tensor of the model dtype (the dtype of the pages' sink tokens)
-    std::vector<int64_t> lay  // as vllm_paged_attend
-) {
-  const Layout L = read_layout(lay);
-  const auto dt = key.scalar_type();
-  TORCH_CHECK(key.is_contiguous() && value.is_contiguous() && value.scalar_type() == dt, "key, value: contiguous");
-  TORCH_CHECK(key.numel() == pids.numel() * L.T * L.H * L.D && value.numel() == key.numel(), "key, value: [n * T, H, D]");
-  TORCH_CHECK(pages.is_contiguous() && pages.size(1) == L.page, "pages: contiguous [B, page]");
-  check_index(pids, "pids", 0);
-  check_pages(pids, 0, pids.size(0), pages.size(0));
-  TORCH_CHECK(dt == like.scalar_type() || dt == torch::kFloat32, "key, value: fp32 or the model dtype");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, like.scalar_type(), "vllm_paged_decode", [&] {
-    if (dt == torch::kFloat32)
-      decode_impl<scalar_t, float>(L, pages, pids, key, value);
-    else
-      decode_impl<scalar_t, scalar_t>(L, pages, pids, key, value);
   });
 }
