@@ -18,9 +18,10 @@ The byte layout of a page (all offsets even, so fp16 / bf16 fields are aligned v
 
 vLLM sizes a page as ``H * T * cell`` bytes (its ``AttentionSpec.state_content_bytes``), so a
 page is padded up to a whole, even ``cell``. The C++ kernels (``kernels/csrc/page_codes.h``,
-``vllm_paged_attend.cpp`` / ``_encode.cpp`` / ``_decode.cpp``) and Triton (:mod:`kvtier.kernels.triton_pages`) read a page through
-:meth:`PageFormat.layout` and the constants of :mod:`kvtier.codecs.constants`; what a page holds is
-chosen by a policy with the fields of :class:`PageCodes` (:class:`kvtier.vllm.pages.policy.PagePolicy`).
+``vllm_paged_attend.cpp`` / ``_encode.cpp`` / ``_decode.cpp``) and Triton
+(:mod:`kvtier.kernels.triton_pages`) read a page through :meth:`PageFormat.layout` and the constants
+of :mod:`kvtier.codecs.constants`; what a page holds is chosen by a policy with the fields of
+:class:`PageCodes` (:class:`kvtier.vllm.pages.policy.PagePolicy`).
 
 This module owns the layout and the codec. May import: torch, ``kvtier.quant``; never vLLM.
 """
