@@ -7,13 +7,9 @@ import pytest
 # "vllm.v1", not "vllm": without vLLM, tests/vllm itself would import as a namespace package "vllm"
 pytest.importorskip("vllm.v1")
 
-import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from vllm_helpers import BLOCK, PREFIX, block_files, close_llm, generate, make_llm, teacher_nll  # noqa: E402
+from vllm_helpers import BLOCK, PREFIX, block_files, close_llm, generate, make_llm, run_child, teacher_nll  # noqa: E402,E501
 
 from kvtier.vllm import kv_transfer_config  # noqa: E402
 from kvtier.vllm.store.spec import engine_store  # noqa: E402
@@ -95,17 +91,7 @@ def test_restart_hits_from_disk_and_damaged_files_are_misses(engine, book_ids, d
     assert ref_b[1] == 5 * BLOCK
     prompt_a, tokens_a = results["a"]
     job = {"model": model_path, "disk": str(disk), "prompts": [prompt_a, prompt_b]}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("restart_child.py"))],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_child("restart_child.py", job)
     (hit_a, cached_a), (hit_b, cached_b) = out["outputs"]
     assert cached_a >= 2048 and hit_a == tokens_a  # a new process hits without recomputing
     assert cached_b == 5 * BLOCK  # blocks 0-4 hit, block 5 fails its crc32: a miss from there on

