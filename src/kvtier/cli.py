@@ -608,6 +608,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cpu_bytes=args.cpu_bytes,
         disk=args.disk,
         disk_bytes=args.disk_bytes,
+        remote=args.remote,
+        remote_ttl=args.remote_ttl,
+        remote_key=args.remote_key,
         vllm_args=args.vllm_args,
     )
     return run(plan, dry_run=args.dry_run)
@@ -627,6 +630,16 @@ def _add_serve(sub: Any) -> None:
     s.add_argument("--cpu-bytes", type=_bytes, help="the store's RAM budget, e.g. 8G (default 4G)")
     s.add_argument("--disk", metavar="DIR", help="the store's block files (kept across restarts)")
     s.add_argument("--disk-bytes", type=_bytes, help="budget of the block files, e.g. 64G")
+    s.add_argument(
+        "--remote",
+        metavar="URL",
+        help="a Redis server whose blocks every server pointed at it shares: redis://host:port/db (rediss:// for "
+        "TLS; the password from KVTIER_REDIS_PASSWORD rather than the URL)",
+    )
+    s.add_argument("--remote-ttl", type=int, metavar="S", help="seconds a block lives in Redis after its last use")
+    s.add_argument(
+        "--remote-key", metavar="SOURCE", help="env:NAME or file:PATH of a 32-byte key that seals blocks in Redis"
+    )
     s.add_argument("--dry-run", action="store_true", help="print the command and environment; start nothing")
     s.set_defaults(fn=cmd_serve, vllm_args=[])
 

@@ -57,12 +57,14 @@ def _model(model: str) -> str:
     return str(model_dir(model)) if model in MODELS else model
 
 
-def _store_part(store: str, cpu_bytes, disk, disk_bytes, environ, packed_pages: bool):  # noqa: ANN001, ANN202
-    """The prefix store's flag, environment and description (see :func:`plan_serve`)."""
+def _store_part(store: str, cpu_bytes, disk, disk_bytes, remote, environ, packed_pages: bool):  # noqa: ANN001, ANN202
+    """The prefix store's flag, environment and description (see :func:`plan_serve`); ``remote``:
+    the Redis tier's keyword arguments of :func:`kvtier.vllm.kv_transfer_config`."""
     from . import kv_transfer_config
+    from .store.remote import redact
 
     extra = {"cpu_bytes": cpu_bytes} if cpu_bytes is not None else {}
-    config = kv_transfer_config(store, disk_path=disk, disk_bytes=disk_bytes, as_json=True, **extra)
+    config = kv_transfer_config(store, disk_path=disk, disk_bytes=disk_bytes, as_json=True, **extra, **remote)
     # the store lives in vLLM's scheduler process: the engine core's executor must keep the worker
     # there (refused at build otherwise, see kvtier.vllm.store.spec)
     if environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
@@ -71,6 +73,8 @@ def _store_part(store: str, cpu_bytes, disk, disk_bytes, environ, packed_pages: 
             "unset it or set it to 0"
         )
     where = f", blocks on disk in {disk}" if disk else ""
+    if remote.get("remote"):
+        where += f", shared through {redact(remote['remote'])}"
     as_pages = ", blocks stored as their packed pages" if packed_pages else ""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     return ["--kv-transfer-config", config], env, f"prefix store ({store}{where}{as_pages})"
@@ -84,17 +88,27 @@ def plan_serve(
     cpu_bytes: int | None = None,
     disk: str | None = None,
     disk_bytes: int | None = None,
+    remote: str | None = None,
+    remote_ttl: int | None = None,
+    remote_key: str | None = None,
     vllm_args: Sequence[str] = (),
     environ: Mapping[str, str] | None = None,
 ) -> ServePlan:
     """The server for ``model`` with packed pages of policy ``pages`` or the prefix store of policy
-    ``store`` (``cpu_bytes``, ``disk``, ``disk_bytes`` as :func:`kvtier.vllm.kv_transfer_config`);
-    neither: packed pages, ``default``. ``vllm_args`` go to the server after kvtier's own flags."""
+    ``store`` (``cpu_bytes``, ``disk``, ``disk_bytes``, ``remote``, ``remote_ttl``, ``remote_key``
+    as :func:`kvtier.vllm.kv_transfer_config`); neither: packed pages, ``default``. ``vllm_args`` go
+    to the server after kvtier's own flags."""
     from . import get_page_policy, serve_args
 
     environ = os.environ if environ is None else environ
-    if store is None and (cpu_bytes is not None or disk is not None or disk_bytes is not None):
-        raise ValueError("--cpu-bytes, --disk and --disk-bytes configure the prefix store: add --store POLICY")
+    store_flags = (cpu_bytes, disk, disk_bytes, remote, remote_ttl, remote_key)
+    if store is None and any(v is not None for v in store_flags):
+        raise ValueError(
+            "--cpu-bytes, --disk, --disk-bytes and --remote* configure the prefix store: add --store POLICY"
+        )
+    if remote is None and (remote_ttl is not None or remote_key is not None):
+        raise ValueError("--remote-ttl and --remote-key configure the Redis tier: add --remote URL")
+    shared = {"remote": remote, "remote_ttl": remote_ttl, "remote_key": remote_key} if remote else {}
     if pages is None and store is None:
         pages = "default"
     ours: list[str] = ["--model", _model(model)]
@@ -108,7 +122,9 @@ def plan_serve(
         kernels = ("vllm_paged_cpu", "prefill_cpu") if get_page_policy(pages).packed else ()
         what.append(f"packed KV pages ({pages})")
     if store is not None:
-        flags, store_env, said = _store_part(store, cpu_bytes, disk, disk_bytes, environ, packed_pages=bool(kernels))
+        flags, store_env, said = _store_part(
+            store, cpu_bytes, disk, disk_bytes, shared, environ, packed_pages=bool(kernels)
+        )
         ours += flags
         env |= store_env
         what.append(said)
@@ -145,9 +161,11 @@ def run(plan: ServePlan, dry_run: bool = False, out=None) -> int:  # noqa: ANN00
 
     out = out or sys.stderr
 
+    from .store.remote import redact_text
+
     env_text = " ".join(f"{k}={v}" for k, v in plan.env)
     print(plan.summary, file=out)
-    print(f"  {env_text + ' ' if env_text else ''}{shlex.join(plan.argv)}", file=out, flush=True)
+    print(redact_text(f"  {env_text + ' ' if env_text else ''}{shlex.join(plan.argv)}"), file=out, flush=True)
     if dry_run:
         return 0
     try:

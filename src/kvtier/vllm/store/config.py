@@ -3,7 +3,7 @@
 The store's settings travel inside vLLM's ``KVTransferConfig.kv_connector_extra_config`` (plain
 JSON, so the same dict works for ``vllm serve --kv-transfer-config``) and are validated again
 where vLLM builds the spec (:meth:`StoreConfig.from_extra`). Imports vLLM only inside
-:func:`kv_transfer_config`; :mod:`.policy` otherwise.
+:func:`kv_transfer_config`; :mod:`.policy` and :mod:`.remote` (its checks; no Redis) otherwise.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .policy import POLICIES, StorePolicy, get_store_policy
+from .remote import TIMEOUT_S, check_key_source, check_url
 
 SPEC_NAME = "KVTierOffloadingSpec"
 SPEC_MODULE = "kvtier.vllm.store.spec"
@@ -31,12 +32,22 @@ class StoreConfig:
     cpu_bytes : host RAM budget of the stored records (bytes, > 0).
     disk_path : folder for write-through block files that outlive the process, or None.
     disk_bytes : budget of the block files in ``disk_path`` (least recently used removed), or None.
+    remote : ``redis://[user:password@]host:port/db`` (or ``rediss://`` for TLS): a Redis server whose
+        block records every engine pointed at it shares, or None.
+    remote_ttl : seconds a record lives in Redis after its last write or hit, or None.
+    remote_timeout : bound of one Redis call, seconds.
+    remote_key : ``"env:NAME"`` or ``"file:PATH"``: where the 32-byte key that seals the records
+        (AES-256-GCM) is, or None (records stored as they are).
     """
 
     policy: str | StorePolicy = "default"
     cpu_bytes: int = 4 << 30
     disk_path: str | None = None
     disk_bytes: int | None = None
+    remote: str | None = None
+    remote_ttl: int | None = None
+    remote_timeout: float = TIMEOUT_S
+    remote_key: str | None = None
 
     def __post_init__(self) -> None:
         get_store_policy(self.policy)
@@ -53,6 +64,21 @@ class StoreConfig:
                 )
             if self.disk_path is None:
                 raise ValueError("disk_bytes is not allowed without disk_path: it bounds the block files there")
+        self._check_remote()
+
+    def _check_remote(self) -> None:
+        if self.remote is not None:
+            check_url(self.remote)
+        elif (self.remote_ttl, self.remote_key) != (None, None):
+            raise ValueError("remote_ttl and remote_key are not allowed without remote: they set the Redis tier")
+        ttl = self.remote_ttl
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl <= 0):
+            raise ValueError(f"remote_ttl={ttl!r} is not allowed: expected an int > 0 (seconds) or None")
+        t = self.remote_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 60:
+            raise ValueError(f"remote_timeout={t!r} is not allowed: expected seconds in (0, 60]")
+        if self.remote_key is not None:
+            check_key_source(self.remote_key)
 
     @property
     def store_policy(self) -> StorePolicy:
@@ -71,6 +97,10 @@ class StoreConfig:
             _PREFIX + "cpu_bytes": self.cpu_bytes,
             _PREFIX + "disk_path": self.disk_path,
             _PREFIX + "disk_bytes": self.disk_bytes,
+            _PREFIX + "remote": self.remote,
+            _PREFIX + "remote_ttl": self.remote_ttl,
+            _PREFIX + "remote_timeout": self.remote_timeout,
+            _PREFIX + "remote_key": self.remote_key,
         }
 
     @classmethod
@@ -86,6 +116,10 @@ class StoreConfig:
             extra.get(_PREFIX + "cpu_bytes", 4 << 30),
             extra.get(_PREFIX + "disk_path"),
             extra.get(_PREFIX + "disk_bytes"),
+            extra.get(_PREFIX + "remote"),
+            extra.get(_PREFIX + "remote_ttl"),
+            extra.get(_PREFIX + "remote_timeout", TIMEOUT_S),
+            extra.get(_PREFIX + "remote_key"),
         )
 
 
@@ -95,6 +129,10 @@ def kv_transfer_config(
     disk_path: str | os.PathLike | None = None,
     *,
     disk_bytes: int | None = None,
+    remote: str | None = None,
+    remote_ttl: int | None = None,
+    remote_timeout: float = TIMEOUT_S,
+    remote_key: str | None = None,
     engine_id: str | None = None,
     as_json: bool = False,
 ) -> Any:
@@ -110,11 +148,27 @@ def kv_transfer_config(
     disk_path : folder for block files (a restart with the same folder hits), or None.
     disk_bytes : budget of the block files in ``disk_path``, shared by the engines using the folder
         (least recently used files removed), or None (no limit).
+    remote : a Redis server shared by many engines (``redis://host:port/db``, ``rediss://`` for TLS;
+        a password in the URL is never logged by kvtier, but vLLM prints its configuration: prefer
+        ``KVTIER_REDIS_PASSWORD`` in the environment), or None. Looked up after RAM and disk.
+    remote_ttl : seconds a record lives in Redis after its last write or hit, or None.
+    remote_timeout : bound of one Redis call, seconds (a slow or dead server costs a lookup at most this).
+    remote_key : ``"env:NAME"`` / ``"file:PATH"`` of a 32-byte key (64 hex digits or base64) that seals
+        the records in Redis (AES-256-GCM); records that do not open are misses.
     engine_id : vLLM's engine id (a fresh one by default); names the store in this process.
     """
     if policy not in POLICIES and not isinstance(policy, StorePolicy):
         get_store_policy(policy)  # raises the one-line error
-    store = StoreConfig(policy, cpu_bytes, None if disk_path is None else os.fspath(disk_path), disk_bytes)
+    store = StoreConfig(
+        policy,
+        cpu_bytes,
+        None if disk_path is None else os.fspath(disk_path),
+        disk_bytes,
+        remote,
+        remote_ttl,
+        remote_timeout,
+        remote_key,
+    )
     engine_id = engine_id or f"kvtier-{uuid.uuid4().hex[:12]}"
     fields = {
         "kv_connector": "OffloadingConnector",

@@ -1,4 +1,4 @@
-"""The prefix store: compressed KV blocks keyed by vLLM block hashes, in host RAM and on disk.
+"""The prefix store: compressed KV blocks keyed by vLLM block hashes, in host RAM, on disk and in Redis.
 
 :class:`PrefixStore` owns every offloaded block of one vLLM engine. Blocks are records of
 :mod:`kvtier.vllm.store.blocks` (``kv: [L, H, 2, T, D]`` encoded, header + crc32), keyed by opaque
@@ -20,11 +20,17 @@ read-only, pre-filled volume; found at construction or at the first failed write
 blocks it holds, keeps new blocks in RAM only and removes nothing, said once in the log; a block
 whose store fails is never left pending (the scheduler would wait on it).
 
+With ``remote`` (:class:`kvtier.vllm.store.remote.RemoteTier`, a Redis server shared by many
+engines) every stored record is also written to the shared pool, on the remote tier's own thread;
+a block in neither RAM nor a file is looked up there, checked like a file (header, length,
+crc32) and promoted to RAM the same way. A block that leaves RAM is then evicted (the pool may
+still hold it). Order of a lookup: RAM, disk, remote, else a miss (vLLM computes it).
+
 Threads: bookkeeping (lookup, pin, reserve, eviction) runs on the caller's thread (vLLM's
 scheduler); encoding, decoding and file writes run on one worker thread owned by the store
 (:meth:`submit`), so compression does not stall the engine step. Only the scheduler's thread
 removes a block or drops its RAM copy, so a block that lookup reported as a hit stays loadable
-until it is pinned. Imports torch, ``kvtier.vllm.store.blocks``/``policy`` and ``kvtier.errors``; never
+until it is pinned. Imports torch, ``kvtier.vllm.store.blocks``/``policy``/``remote`` and ``kvtier.errors``; never
 vLLM, transformers or ``kvtier.hf``.
 """
 
@@ -47,6 +53,7 @@ import torch
 from ...errors import KVTierError
 from .blocks import BlockCodec, BlockFormat, RecordCorrupt
 from .policy import StorePolicy
+from .remote import RemoteTier
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +101,7 @@ class PrefixStore:
         disk_path: str | os.PathLike | None = None,
         namespace: str = "blocks",
         disk_bytes: int | None = None,
+        remote: RemoteTier | None = None,
     ):
         if isinstance(cpu_bytes, bool) or not isinstance(cpu_bytes, int) or cpu_bytes < 0:
             raise ValueError(f"cpu_bytes={cpu_bytes!r} is not allowed: expected an int >= 0")
@@ -132,6 +140,10 @@ class PrefixStore:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm")
         self._closed = False
         self.counters: Counter[str] = Counter()
+        self.remote = remote
+        if remote is not None:
+            remote.counters = self.counters
+            remote.ping()
 
     # --- sizes ------------------------------------------------------------------------------
     def record_bytes(self, level: int, sink: int) -> int:
@@ -191,12 +203,14 @@ class PrefixStore:
             + f", {self.policy.sink_tokens} sink tokens exact; RAM {self.cpu_bytes / (1 << 30):.2f} GiB holds "
             f"{tokens:,} tokens ({tokens / max(1, self.cpu_bytes // exact * self.fmt.tokens):.2f}x {dtype})"
         )
+        remote = "" if self.remote is None else "; " + self.remote.describe()
         if self.dir is None:
-            return line + "; no disk"
+            return line + "; no disk" + remote
         found, files = self._scan_disk()
         budget = "no budget" if self.disk_bytes is None else f"budget {self.disk_bytes / (1 << 30):.2f} GiB"
         state = ", read-only" if self.read_only else ""
-        return line + f"; disk {self.dir}: {len(files):,} blocks found ({found / (1 << 30):.2f} GiB), {budget}{state}"
+        disk = f"; disk {self.dir}: {len(files):,} blocks found ({found / (1 << 30):.2f} GiB), {budget}{state}"
+        return line + disk + remote
 
     # --- worker thread ----------------------------------------------------------------------
     def submit(self, fn, *args) -> Future:  # noqa: ANN001
@@ -348,10 +362,11 @@ class PrefixStore:
                     self._entries.move_to_end(key)
                 self.counters["lookup_hits"] += 1
                 return "hit"
-            if self.dir is None:
-                self.counters["lookup_misses"] += 1
-                return "miss"
-            record = self._read_file(key)  # only on disk, or never seen by this process
+            # only on disk or in the shared pool, or never seen by this process
+            record = None if self.dir is None else self._read_file(key)
+            source = "disk"
+            if record is None and self.remote is not None:
+                record, source = self._read_remote(key), "remote"
             if record is None:
                 if e is not None:
                     del self._entries[key]
@@ -359,20 +374,39 @@ class PrefixStore:
                 return "miss"
             sink = self.codec.info(record)[2]
             if e is None:
-                e = self._entries[key] = _Entry(level=0, sink=sink, budget=0, ready=True, busy=False, on_disk=True)
-            e.record, e.level = record, self._level_of(record)
+                e = self._entries[key] = _Entry(level=0, sink=sink, budget=0, ready=True, busy=False)
+            e.record, e.level, e.on_disk = record, self._level_of(record), source == "disk"
             if self._ram + record.numel() <= self.cpu_bytes:  # promoted: the next hit reads RAM
                 e.transient, e.budget = False, record.numel()
                 self._ram += e.budget
                 self._entries.move_to_end(key)
-                self.counters["disk_promoted"] += 1
+                self.counters[source + "_promoted"] += 1
             else:  # held for the load that pins it, then dropped; disk-only blocks are the coldest
                 e.transient = True
                 self._entries.move_to_end(key, last=False)
-            self._touch_file(key)
+            if source == "disk":
+                self._touch_file(key)
             self.counters["lookup_hits"] += 1
-            self.counters["disk_hits"] += 1
+            self.counters[source + "_hits"] += 1
             return "hit"
+
+    def _read_remote(self, key: bytes) -> torch.Tensor | None:
+        """The checked record of a block in the shared pool, or None (absent, unreachable, or bad)."""
+        assert self.remote is not None
+        data = self.remote.get(key)
+        if data is None:
+            self.counters["remote_misses"] += 1
+            return None
+        record = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        try:
+            self.codec.verify(record)
+        except RecordCorrupt as err:
+            self.counters["remote_rejected"] += 1
+            self.remote.warn_once(
+                "corrupt", "kvtier: a record in Redis %s fails its checks (%s): a miss", self.remote.shown, err
+            )
+            return None
+        return record
 
     def _level_of(self, record: torch.Tensor) -> int:
         bits, rotate, _, kg = self.codec.info(record)
@@ -516,6 +550,8 @@ class PrefixStore:
             logger.exception("kvtier: block file %s could not be written: kept in RAM only", self.path(key))
             self.counters["disk_errors"] += 1
             on_disk = False
+        if self.remote is not None:  # queued on the remote tier's own thread
+            self.remote.put(key, record.numpy().tobytes())
         with self._lock:
             if self._entries.get(key) is e:
                 e.record, e.ready, e.busy, e.on_disk = record, True, False, on_disk
@@ -563,14 +599,19 @@ class PrefixStore:
         if not self._closed:
             try:
                 self._pool.submit(lambda: None).result()
+                if self.remote is not None:
+                    self.remote.flush()
             except RuntimeError:  # the interpreter is shutting down its thread pools
                 pass
 
     def close(self) -> None:
-        """Stop the worker thread (after the jobs already submitted); block files stay."""
+        """Stop the worker thread (after the jobs already submitted), then the remote tier's
+        writes; block files and the shared pool's records stay."""
         if not self._closed:
             self._closed = True
             self._pool.shutdown(wait=True)
+            if self.remote is not None:
+                self.remote.close()
 
     def remove_files(self) -> None:
         """Delete this store's namespace folder (tests and benchmarks)."""

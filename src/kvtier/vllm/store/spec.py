@@ -70,6 +70,7 @@ from .blocks import BlockFormat
 from .config import StoreConfig
 from .policy import get_store_policy
 from .prefix import PrefixStore
+from .remote import RemoteTier, load_key
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,22 @@ STORE_COUNTERS: dict[str, tuple[str, str]] = {
     "disk_bytes_written": ("vllm:kvtier_store_disk_bytes_written", "Bytes written to block files."),
     "store_ns": ("vllm:kvtier_store_encode_seconds", "Seconds spent encoding blocks (store thread)."),
     "load_ns": ("vllm:kvtier_store_decode_seconds", "Seconds spent decoding blocks for loads."),
+    "remote_hits": (
+        "vllm:kvtier_store_remote_hits",
+        "Hits read from the shared Redis pool (checked, then kept in RAM).",
+    ),
+    "remote_promoted": ("vllm:kvtier_store_remote_promoted", "Blocks hit from Redis and kept in RAM."),
+    "remote_misses": ("vllm:kvtier_store_remote_misses", "Lookups the Redis pool did not answer with a record."),
+    "remote_writes": ("vllm:kvtier_store_remote_writes", "Records written to the Redis pool."),
+    "remote_bytes_written": ("vllm:kvtier_store_remote_bytes_written", "Bytes written to the Redis pool."),
+    "remote_errors": ("vllm:kvtier_store_remote_errors", "Redis calls that failed (down, slow, refused, full)."),
+    "remote_skipped": ("vllm:kvtier_store_remote_skipped", "Redis reads and writes skipped while it was failing."),
+    "remote_dropped": ("vllm:kvtier_store_remote_dropped", "Redis writes dropped: too many waiting."),
+    "remote_rejected": (
+        "vllm:kvtier_store_remote_rejected",
+        "Records from Redis that failed their checks or did not open (wrong key, tampered): misses.",
+    ),
+    "remote_state_changes": ("vllm:kvtier_store_remote_state_changes", "Changes of the Redis pool's health state."),
 }
 #: gauge name -> documentation
 STORE_GAUGES: dict[str, str] = {
@@ -441,7 +458,11 @@ class KVTierOffloadingSpec(OffloadingSpec):
                     what.append(pages)
                 ident = json.dumps(what, sort_keys=True)
                 namespace = "kvtier-" + hashlib.sha256(ident.encode()).hexdigest()[:16]
-                store = PrefixStore(policy, fmt, sc.cpu_bytes, sc.disk_path, namespace, sc.disk_bytes)
+                remote = None
+                if sc.remote is not None:  # a bad key source is refused here, at engine build
+                    key = None if sc.remote_key is None else load_key(sc.remote_key)
+                    remote = RemoteTier(sc.remote, namespace, ttl=sc.remote_ttl, timeout=sc.remote_timeout, key=key)
+                store = PrefixStore(policy, fmt, sc.cpu_bytes, sc.disk_path, namespace, sc.disk_bytes, remote)
                 _STORES[config.engine_id] = store
                 logger.info("%s", store.describe())
                 if pages is not None and policy != sc.store_policy:
