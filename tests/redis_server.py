@@ -48,10 +48,14 @@ class RedisServer:
     def url(self) -> str:
         return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
-    def start(self) -> None:
+    @property
+    def argv(self) -> list[str]:
         port = ["--port", "0", "--tls-port", str(self.port)] if self.tls else ["--port", str(self.port)]
         cmd = [self.exe, *port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        cmd += ["--dir", str(self.folder), *self.args]
+        return cmd + ["--dir", str(self.folder), *self.args]
+
+    def start(self) -> None:
+        cmd = self.argv
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:

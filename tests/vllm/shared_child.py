@@ -8,8 +8,12 @@ and shares ``remote`` (Redis), and prints one JSON line.
   lets the stores run and waits for the Redis writes: ``{"stats"}``.
 - ``role="b"`` (another engine, its own empty RAM) asks for the same prefixes:
   ``{"greedy": [tokens, cached], "recomputed": tokens, "nll": [[hit, cached, exact, cached], ...],
-  "salted": {salt: cached}, "stats"}``; ``exact``: the same window over B's own exact prefix (computed
-  here, then read from vLLM's own prefix cache), the reference of the NLL as in test_vllm_default.
+  "salted": {salt: cached}, "stats"}``; ``exact``: the same window over B's own exact prefix
+  (computed here, then read from vLLM's own prefix cache), the reference of the NLL as in
+  test_vllm_default.
+- ``role="fault"`` kills Redis (``redis_pid``), serves two prefixes, starts Redis again
+  (``redis_argv``), waits out the retry interval and serves a third: ``{"down", "up",
+  "errors_down", "writes_up", "redis_pid"}`` (the new server's pid: the test stops it).
 """
 
 import json
@@ -52,6 +56,25 @@ if __name__ == "__main__":
             generate(llm, [ids[:PREFIX]], 1)
         salted(llm, windows[0][:PREFIX], "tenant-a")
         generate(llm, [[1, 2, 3]], 1)  # one more step: the last stores are submitted
+    elif job["role"] == "fault":  # Redis killed mid-run, then started again (``redis_argv``) on its port
+        import os
+        import signal
+        import subprocess
+        import time
+
+        from kvtier.vllm.store import remote
+
+        os.kill(job["redis_pid"], signal.SIGKILL)
+        out["down"] = [generate(llm, [ids[:PREFIX]], 4)[0] for ids in windows[:2]]  # served: RAM only
+        store.flush()
+        out["errors_down"] = store.counters["remote_errors"]
+        server = subprocess.Popen(job["redis_argv"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(remote.RETRY_S + 1)
+        out["up"] = generate(llm, [windows[2][:PREFIX]], 4)[0]
+        generate(llm, [[1, 2, 3]], 1)  # one more step: the last stores are submitted
+        store.flush()
+        out["writes_up"] = store.counters["remote_writes"]
+        out["redis_pid"] = server.pid
     else:
         prompt = windows[0][: PREFIX + 40]
         out["greedy"] = greedy(llm, prompt, recompute=False)  # its prefix from the pool

@@ -56,3 +56,25 @@ def test_default_blocks_from_another_engine_nll_and_bytes(model_path, book_ids, 
     assert stored == 4 * PREFIX // BLOCK  # three windows + the salted copy of the first
     bf16 = stored * BLOCK * 30 * 3 * 64 * 2 * 2
     assert (server.used_memory() - before) <= 0.32 * bf16
+
+
+def test_redis_killed_mid_run_no_request_fails_writes_resume(model_path, book_ids, tmp_path):
+    import os
+    import signal
+
+    server = RedisServer(tmp_path)
+    windows = [book_ids[s : s + PREFIX + 65] for s in (30_000, 34_000, 38_000)]
+    job = {"model": model_path, "remote": server.url, "policy": "default", "windows": windows}
+    try:
+        b = run_child(
+            "shared_child.py", {**job, "role": "fault", "redis_pid": server.proc.pid, "redis_argv": server.argv}
+        )
+    finally:
+        server.kill()
+    try:
+        assert [len(tokens) for tokens, _ in b["down"]] == [4, 4] and len(b["up"][0]) == 4  # every request served
+        assert b["errors_down"] >= 1, b["stats"]
+        assert b["writes_up"] >= PREFIX // BLOCK  # the third prefix reached the restarted server
+        assert len(server.client().keys("kvtier:*:0")) >= PREFIX // BLOCK
+    finally:
+        os.kill(b["redis_pid"], signal.SIGKILL)
