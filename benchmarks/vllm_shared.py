@@ -112,12 +112,14 @@ def child(job: dict) -> dict:
             (re,) = run([prompt], skip_reading_prefix_cache=True)
             t_re = time.perf_counter() - t0
             llm.reset_prefix_cache()
-            (a,) = run([w], prompt_logprobs=0)  # the prefix from the pool (B's RAM since the TTFT request)
+            # (prompt_logprobs turns cache reads off unless told otherwise)
+            (a,) = run([w], prompt_logprobs=0, skip_reading_prefix_cache=False)  # the pool's blocks (in B's RAM now)
             llm.reset_prefix_cache()
             run([w[:prefix]], skip_reading_prefix_cache=True)  # computed here, exact, into vLLM's own cache
-            (b,) = run([w], prompt_logprobs=0)
+            (b,) = run([w], prompt_logprobs=0, skip_reading_prefix_cache=False)
             row = {"cached": hit.num_cached_tokens, "ttft_hit": t_hit, "ttft_recompute": t_re}
-            rows.append(row | {"nll_pool": nll(a, w), "nll_exact": nll(b, w), "nll_cached": a.num_cached_tokens})
+            row |= {"nll_pool": nll(a, w), "nll_exact": nll(b, w)}
+            rows.append(row | {"nll_cached": [a.num_cached_tokens, b.num_cached_tokens]})
         out["rows"] = rows
         n = job["requests"]
         for i, mode in enumerate(("pool", "recompute", "pool", "recompute")):
@@ -182,8 +184,9 @@ def main() -> None:
             before = int(r.info("memory")["used_memory"])
             a = spawn({**job, "role": "a"})
             used = int(r.info("memory")["used_memory"]) - before
-            keys = r.keys("kvtier:*")
-            record_bytes = sum(r.strlen(k) for k in keys)
+            parts = r.keys("kvtier:*")
+            record_bytes = sum(r.strlen(k) for k in parts)
+            keys = [k for k in parts if k.endswith(b":0")]  # one per block
             b = spawn({**job, "role": "b"})
         finally:
             proc.kill()

@@ -368,3 +368,38 @@ def test_manager_reports_the_stores_counters_as_vllm_metrics():
     finally:
         _STORES.pop("metrics-test", None)
         store.close()
+
+
+@pytest.mark.parametrize(
+    "heads,head_dim,dtype",
+    [(3, 64, torch.bfloat16), (2, 128, torch.bfloat16), (1, 256, torch.bfloat16), (2, 128, torch.float32)],
+)
+def test_page_layout_finds_where_vllms_cpu_kernels_keep_each_element(heads, head_dim, dtype):
+    """The store's records are [H, 2, T, D]; vLLM's CPU pages are in its kernels' order (keys
+    transposed or in AMX tiles). Keys and values written by vLLM's own op into a block come back in
+    canonical order through ``page_layout``, and a block written back through it reads the same
+    in vLLM's order (before the fix the page bytes were read as [H, 2, T, D] as they lay)."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvtier.vllm.store.spec import page_layout
+
+    tokens = 128
+    g = torch.Generator().manual_seed(heads * head_dim)
+    k = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
+    cache = torch.zeros(3, heads, tokens, 2 * head_dim, dtype=dtype)
+    kc, vc = cache.view(3, heads, 2 * tokens, head_dim).chunk(2, dim=2)
+    isa = _get_attn_isa(dtype, tokens, head_dim, "auto")
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, torch.arange(2 * tokens, 3 * tokens), isa)
+    perm = page_layout(heads, tokens, head_dim, dtype)
+    page = cache[2].flatten()
+    kv = page if perm is None else page[perm]
+    expected = torch.stack([k.transpose(0, 1), v.transpose(0, 1)], dim=1)  # [H, 2, T, D]
+    assert torch.equal(kv.view(heads, 2, tokens, head_dim), expected)
+    back = torch.zeros_like(page)
+    if perm is None:
+        back.copy_(expected.flatten())
+    else:
+        back.index_copy_(0, perm, expected.flatten())
+    assert torch.equal(back, page)

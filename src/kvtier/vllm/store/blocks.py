@@ -31,7 +31,9 @@ from ...errors import KVTierError
 from ...quant import rotation, unpack_words
 
 MAGIC = b"KVTB"
-VERSION = 1
+#: 2: blocks in canonical [L, H, 2, T, D] order whatever vLLM's page layout (version 1 records of the
+#: lossy policies were encoded over the CPU kernels' transposed/tiled page order: read as misses)
+VERSION = 2
 #: magic, version, bits (0: exact), rotate, dtype code, sink tokens, L, H, T, D, value group, key
 #: group, payload bytes, crc32 of the payload; padded to 48 bytes so the payload stays 8-byte aligned.
 _HEADER = struct.Struct("<4sHBBBxHHHIHHHQI")

@@ -12,8 +12,12 @@ executor) both live in the engine-core process. The CPU platform switches that e
 (a worker process) unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; GPU platforms keep ``uni``.
 
 Page layout (vLLM CPU attention, ``KVCacheLayout.LBHNC``): one layer's page of one block is
-``[H, T, 2 * D]`` in memory, which the backend reads as ``[H, 2, T, D]`` (keys then values per
-head); a block over all layers is ``kv: [L, H, 2, T, D]``.
+``[H, T, 2 * D]`` elements, keys then values per head, each in the order of vLLM's CPU kernels
+for the ISA it picked (``vec``: keys ``[D, T]``, values ``[T, D]``; ``amx``: 16x2 tiles), found
+once per engine by :func:`page_layout` through vLLM's own ``cpu_attn_reshape_and_cache``. The
+store's records hold a block over all layers in canonical order, ``kv: [L, H, 2, T, D]`` (before
+block format version 2 the page bytes were read as if already in that order: the codecs' channel
+groups and sink tokens fell on the wrong elements).
 
 Loads decode inline in ``submit_load`` (the request waits for them anyway; a decoding thread
 competing for the GIL with the engine's polling loop was 20x slower on the CPU platform); stores
@@ -249,7 +253,11 @@ class KVTierWorker(OffloadingWorker):
         page = fmt.exact_bytes // fmt.layers
         if len(refs) != fmt.layers:
             raise KVTierError(f"kvtier's prefix store expected {fmt.layers} layers, vLLM registered {len(refs)}")
-        # per layer: [num_blocks, H, 2, T, D] views of vLLM's pages, or [num_blocks, page_bytes] packed pages
+        # vLLM's CPU pages keep K/V in its kernels' order: gathered into [H, 2, T, D] through `perm`
+        # (packed pages are stored byte for byte)
+        self.perm = None if fmt.page_bytes else page_layout(fmt.heads, fmt.tokens, fmt.head_dim, fmt.dtype)
+        # per layer: [num_blocks, H, 2, T, D] views of vLLM's pages (flat [num_blocks, H*2*T*D] with a
+        # `perm`), or [num_blocks, page_bytes] packed pages
         self.pages: list[torch.Tensor] = []
         for ref in refs:
             t = kv_caches.tensors[ref.tensor_idx].tensor
@@ -258,8 +266,8 @@ class KVTierWorker(OffloadingWorker):
                     f"kvtier's prefix store expected {page}-byte CPU pages ({fmt}), vLLM has {ref.page_size_bytes} "
                     f"bytes on {t.device}"
                 )
-            view = t[:, :page].view(fmt.kv_dtype).view(t.shape[0], *fmt.shape[1:])
-            self.pages.append(view)
+            view = t[:, :page].view(fmt.kv_dtype)
+            self.pages.append(view if self.perm is not None else view.view(t.shape[0], *fmt.shape[1:]))
         self._done: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
         self._jobs: dict[int, Future] = {}
         # one block each for the store thread's gather and the engine thread's loads: a fresh
@@ -268,7 +276,21 @@ class KVTierWorker(OffloadingWorker):
         self._loaded = torch.empty(fmt.shape, dtype=fmt.kv_dtype)
 
     def _gather(self, block: int) -> torch.Tensor:
-        return torch.stack([p[block] for p in self.pages], out=self._stored)
+        """``kv: [L, H, 2, T, D]`` (or packed pages) of one block, into the store thread's buffer."""
+        if self.perm is None:
+            return torch.stack([p[block] for p in self.pages], out=self._stored)
+        flat = self._stored.view(len(self.pages), -1)
+        for layer, p in enumerate(self.pages):
+            torch.index_select(p[block], 0, self.perm, out=flat[layer])
+        return self._stored
+
+    def _scatter(self, block: int, kv: torch.Tensor) -> None:
+        """Write ``kv: [L, H, 2, T, D]`` (or packed pages) into vLLM's pages of ``block``."""
+        for layer, p in enumerate(self.pages):
+            if self.perm is None:
+                p[block].copy_(kv[layer])
+            else:
+                p[block].index_copy_(0, self.perm, kv[layer].reshape(-1))
 
     def _run(self, job_id: int, fn, *args) -> None:  # noqa: ANN001
         def job() -> None:
@@ -295,9 +317,7 @@ class KVTierWorker(OffloadingWorker):
 
     def _load(self, keys: list[bytes], blocks: list[int]) -> int:
         for key, b in zip(keys, blocks):
-            kv = self.store.read(key, self._loaded)
-            for layer, p in enumerate(self.pages):
-                p[b].copy_(kv[layer])
+            self._scatter(b, self.store.read(key, self._loaded))
         return len(keys) * self.store.fmt.exact_bytes
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
@@ -339,6 +359,49 @@ class KVTierWorker(OffloadingWorker):
 
     def shutdown(self) -> None:
         self.store.flush()
+
+
+def page_layout(heads: int, tokens: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Where vLLM's CPU attention keeps each element of one layer's page, probed through its own op.
+
+    vLLM's CPU backend writes a block's keys and values with ``cpu_attn_reshape_and_cache`` in an
+    order of its ISA's kernels (``vec``: per head, keys ``[D, T]`` then values ``[T, D]``; ``amx``:
+    keys in ``[T/16, D/2, 16, 2]`` tiles, values in ``[D/16, T/2, 16, 2]``), not ``[H, 2, T, D]``.
+    The store's codecs need the canonical order (keys per channel, sinks are the first tokens), so
+    this writes index patterns through the same op and ISA the engine uses (three passes: token,
+    head and channel numbers, keys positive, values negative) and reads where they landed.
+
+    Returns ``perm`` (int64, ``[H * 2 * T * D]``): ``page.flatten()[perm]`` is the block's
+    ``[H, 2, T, D]`` K/V flattened; None when the page already is in that order. Raises KVTierError
+    when the probe does not find every element exactly once (an unknown layout: refused, never a
+    silently scrambled block).
+    """
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, tokens, head_dim, "auto")
+    n = heads * 2 * tokens * head_dim
+    cache = torch.zeros(2, heads, tokens, 2 * head_dim, dtype=dtype)  # block 1 is probed (block 0: padding)
+    key_cache, value_cache = cache.view(2, heads, 2 * tokens, head_dim).chunk(2, dim=2)
+    slots = torch.arange(tokens, 2 * tokens, dtype=torch.int64)
+    grid = torch.meshgrid(torch.arange(tokens), torch.arange(heads), torch.arange(head_dim), indexing="ij")
+    found = []
+    for x in grid:  # [T, H, D] numbers + 1: exact in bf16 up to 256
+        cache.zero_()
+        k = (x + 1).to(dtype)
+        ops.cpu_attn_reshape_and_cache(k, -k, key_cache, value_cache, slots, isa)
+        found.append(cache[1].flatten().to(torch.float32, copy=True))
+    t, h, d = (f.abs().long() - 1 for f in found)
+    is_value = (found[0] < 0).long()
+    canonical = ((h * 2 + is_value) * tokens + t) * head_dim + d
+    if found[0].eq(0).any() or torch.bincount(canonical.clamp(0, n - 1), minlength=n).ne(1).any():
+        raise KVTierError(
+            f"kvtier's prefix store does not know vLLM's CPU page layout (isa {isa!r}, {heads} heads, {tokens} tokens, "
+            f"head size {head_dim}): use policy 'exact' (stores pages byte for byte)"
+        )
+    perm = torch.empty(n, dtype=torch.int64)
+    perm[canonical] = torch.arange(n)
+    return None if torch.equal(perm, torch.arange(n)) else perm
 
 
 def _packed_pages(vllm_config, heads: int, head_dim: int, dtype: torch.dtype) -> tuple[str, int] | None:  # noqa: ANN001
