@@ -376,10 +376,15 @@ def page_layout(heads: int, tokens: int, head_dim: int, dtype: torch.dtype) -> t
     when the probe does not find every element exactly once (an unknown layout: refused, never a
     silently scrambled block).
     """
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    isa = _get_attn_isa(dtype, tokens, head_dim, "auto")
+        isa = _get_attn_isa(dtype, tokens, head_dim, "auto")
+    except (ImportError, AttributeError) as err:
+        raise KVTierError(
+            f"kvtier's prefix store cannot find this vLLM's CPU page layout ({err}): it supports vLLM 0.32-0.33"
+        ) from None
     n = heads * 2 * tokens * head_dim
     cache = torch.zeros(2, heads, tokens, 2 * head_dim, dtype=dtype)  # block 1 is probed (block 0: padding)
     key_cache, value_cache = cache.view(2, heads, 2 * tokens, head_dim).chunk(2, dim=2)
