@@ -41,7 +41,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict
 from typing import Any
@@ -242,23 +242,37 @@ class KVTierWorker(OffloadingWorker):
     """Worker side: gathers whole blocks from vLLM's pages into the store and back, on the
     store's worker thread; ``get_finished`` reports what is done."""
 
-    def __init__(self, store: PrefixStore, kv_caches: CanonicalKVCaches):
+    def __init__(self, store: PrefixStore, kv_caches: CanonicalKVCaches, group_ids: Sequence[int] = (0,)):
         self.store = store
         fmt = store.fmt
-        if len(kv_caches.group_data_refs) != 1:
+        if len(kv_caches.group_data_refs) != len(group_ids):
             raise KVTierError(
-                f"kvtier's prefix store needs one KV-cache group, this model has {len(kv_caches.group_data_refs)}"
+                f"kvtier's prefix store expected {len(group_ids)} KV-cache groups, vLLM registered "
+                f"{len(kv_caches.group_data_refs)}"
             )
-        refs = kv_caches.group_data_refs[0]
-        page = fmt.exact_bytes // fmt.layers
-        if len(refs) != fmt.layers:
-            raise KVTierError(f"kvtier's prefix store expected {fmt.layers} layers, vLLM registered {len(refs)}")
+        # a store key's group (vLLM's KV-cache group id, in the key) -> that group's layers
+        self.group_of = {gid: i for i, gid in enumerate(group_ids)}
         # vLLM's CPU pages keep K/V in its kernels' order: gathered into [H, 2, T, D] through `perm`
         # (packed pages are stored byte for byte)
         self.perm = None if fmt.page_bytes else page_layout(fmt.heads, fmt.tokens, fmt.head_dim, fmt.dtype)
         # per layer: [num_blocks, H, 2, T, D] views of vLLM's pages (flat [num_blocks, H*2*T*D] with a
         # `perm`), or [num_blocks, page_bytes] packed pages
-        self.pages: list[torch.Tensor] = []
+        self.groups = [self._views(kv_caches, refs) for refs in kv_caches.group_data_refs]
+        self._done: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
+        self._jobs: dict[int, Future] = {}
+        # one block each for the store thread's gather and the engine thread's loads: a fresh
+        # tensor per block costs page faults on every transfer
+        self._stored = torch.empty(fmt.shape, dtype=fmt.kv_dtype)
+        self._loaded = torch.empty(fmt.shape, dtype=fmt.kv_dtype)
+
+    def _views(self, kv_caches: CanonicalKVCaches, refs: list) -> list[torch.Tensor]:  # noqa: ANN001
+        """One group's per-layer views: ``[num_blocks, H, 2, T, D]`` of vLLM's pages (flat
+        ``[num_blocks, H*2*T*D]`` with a ``perm``), or ``[num_blocks, page_bytes]`` packed pages."""
+        fmt = self.store.fmt
+        page = fmt.exact_bytes // fmt.layers
+        if len(refs) != fmt.layers:
+            raise KVTierError(f"kvtier's prefix store expected {fmt.layers} layers per group, vLLM has {len(refs)}")
+        views = []
         for ref in refs:
             t = kv_caches.tensors[ref.tensor_idx].tensor
             if ref.page_size_bytes != page or t.device.type != "cpu":
@@ -267,26 +281,28 @@ class KVTierWorker(OffloadingWorker):
                     f"bytes on {t.device}"
                 )
             view = t[:, :page].view(fmt.kv_dtype)
-            self.pages.append(view if self.perm is not None else view.view(t.shape[0], *fmt.shape[1:]))
-        self._done: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
-        self._jobs: dict[int, Future] = {}
-        # one block each for the store thread's gather and the engine thread's loads: a fresh
-        # tensor per block costs page faults on every transfer
-        self._stored = torch.empty(fmt.shape, dtype=fmt.kv_dtype)
-        self._loaded = torch.empty(fmt.shape, dtype=fmt.kv_dtype)
+            views.append(view if self.perm is not None else view.view(t.shape[0], *fmt.shape[1:]))
+        return views
 
-    def _gather(self, block: int) -> torch.Tensor:
+    def _pages(self, key: bytes) -> list[torch.Tensor]:
+        """The layers of the KV-cache group a store key belongs to (the key ends with its group id)."""
+        gid = int.from_bytes(key[-4:], "big")
+        if gid not in self.group_of:
+            raise KVTierError(f"store key of KV-cache group {gid}: this engine offloads groups {sorted(self.group_of)}")
+        return self.groups[self.group_of[gid]]
+
+    def _gather(self, pages: list[torch.Tensor], block: int) -> torch.Tensor:
         """``kv: [L, H, 2, T, D]`` (or packed pages) of one block, into the store thread's buffer."""
         if self.perm is None:
-            return torch.stack([p[block] for p in self.pages], out=self._stored)
-        flat = self._stored.view(len(self.pages), -1)
-        for layer, p in enumerate(self.pages):
+            return torch.stack([p[block] for p in pages], out=self._stored)
+        flat = self._stored.view(len(pages), -1)
+        for layer, p in enumerate(pages):
             torch.index_select(p[block], 0, self.perm, out=flat[layer])
         return self._stored
 
-    def _scatter(self, block: int, kv: torch.Tensor) -> None:
+    def _scatter(self, pages: list[torch.Tensor], block: int, kv: torch.Tensor) -> None:
         """Write ``kv: [L, H, 2, T, D]`` (or packed pages) into vLLM's pages of ``block``."""
-        for layer, p in enumerate(self.pages):
+        for layer, p in enumerate(pages):
             if self.perm is None:
                 p[block].copy_(kv[layer])
             else:
@@ -308,7 +324,7 @@ class KVTierWorker(OffloadingWorker):
         done = 0
         try:
             for key, b in zip(keys, blocks):
-                self.store.put(key, self._gather(b))
+                self.store.put(key, self._gather(self._pages(key), b))
                 done += 1
         finally:  # a block whose store did not happen must not stay pending (the scheduler waits on it)
             if done < len(keys):
@@ -317,7 +333,7 @@ class KVTierWorker(OffloadingWorker):
 
     def _load(self, keys: list[bytes], blocks: list[int]) -> int:
         for key, b in zip(keys, blocks):
-            self._scatter(b, self.store.read(key, self._loaded))
+            self._scatter(self._pages(key), b, self.store.read(key, self._loaded))
         return len(keys) * self.store.fmt.exact_bytes
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
@@ -426,7 +442,7 @@ def _block_format(config: OffloadingConfig) -> tuple[BlockFormat, str | None]:
     """The store's block format and, in an engine on kvtier's packed pages, the page policy's name."""
     from vllm.config import get_current_vllm_config_or_none
 
-    (group,) = config.groups
+    group = config.groups[0]  # all of one size (checked by the spec)
     dtype = _DTYPES.get(config.model.dtype)
     if dtype is None:
         raise KVTierError(
@@ -442,7 +458,8 @@ def _block_format(config: OffloadingConfig) -> tuple[BlockFormat, str | None]:
         raise KVTierError("kvtier's prefix store could not read the model's KV heads and head size from vLLM's config")
     pages = _packed_pages(vllm_config, heads, head_dim, dtype)
     fmt = BlockFormat(layers, heads, tokens, head_dim, dtype, page_bytes=0 if pages is None else pages[1])
-    if config.worker_kv_bytes_per_block and config.worker_kv_bytes_per_block != fmt.exact_bytes:
+    one_group = len(config.groups) == 1  # several groups share vLLM's tensors: its per-block figure is not ours
+    if one_group and config.worker_kv_bytes_per_block and config.worker_kv_bytes_per_block != fmt.exact_bytes:
         raise KVTierError(
             f"kvtier's prefix store computed {fmt.exact_bytes} bytes per block ({fmt}), vLLM "
             f"{config.worker_kv_bytes_per_block}: only plain full-attention models are supported"
@@ -494,11 +511,14 @@ class KVTierOffloadingSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
         self.store_config = StoreConfig.from_extra(self.extra_config)
-        if len(config.groups) != 1:
-            raise KVTierError(  # e.g. Gemma 3 under vLLM's hybrid KV-cache manager: 5 sliding groups + 1 full
-                f"kvtier's prefix store does not support vLLM's hybrid KV-cache manager ({len(config.groups)} "
-                "KV-cache groups: sliding-window and full-attention layers, e.g. Gemma 3's) yet: build the engine "
-                "with disable_hybrid_kv_cache_manager=True (--disable-hybrid-kv-cache-manager), one group"
+        # vLLM's hybrid KV-cache manager (e.g. Gemma 3: 5 sliding-window groups + 1 full group) gives
+        # groups of equal size; a store key carries its group, so every group's blocks are records
+        # of one format (vLLM decides which blocks of a sliding group are worth storing)
+        shapes = {(len(g.layer_names), g.tokens_per_block) for g in config.groups}
+        if len(shapes) != 1:
+            raise KVTierError(
+                "kvtier's prefix store needs KV-cache groups of one size (layers, tokens per block), vLLM gives "
+                f"{sorted(shapes)}: build the engine with disable_hybrid_kv_cache_manager=True (one group)"
             )
         if self.blocks_per_chunk != 1:
             raise KVTierError("kvtier's prefix store stores one vLLM block per record: leave block_size unset")
@@ -549,7 +569,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            self._worker = KVTierWorker(self._create_store(), kv_caches)
+            self._worker = KVTierWorker(self._create_store(), kv_caches, [g.group_id for g in self.config.groups])
         return self._worker
 
 
