@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -287,6 +288,8 @@ def test_tls(tmp_path):  # noqa: ANN001
     from redis_server import need_redis
 
     need_redis()
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is needed to make the test's certificate")
     ca, crt, pem = tmp_path / "ca.crt", tmp_path / "server.crt", tmp_path / "server.key"
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
