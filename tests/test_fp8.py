@@ -74,21 +74,30 @@ def test_fp8_codec_vs_float64_oracle_and_per_tensor_cast(D, G, partial):
     assert f["v_scale"].shape == (B, H, n, T, D // G)
     kd, vd = codec.decode(f, D, torch.float32)
     tv = valid.unsqueeze(-1)  # [B,1,n,T,1]
+    # keys are centered first: the shift is each channel's midrange over the valid tokens, in fp16
+    assert f["k_shift"].dtype == torch.float16 and f["k_shift"].shape == (B, H, n, 1, D)
+    lo = torch.where(tv, k.double(), torch.full((), float("inf"), dtype=torch.float64)).amin(3, keepdim=True)
+    hi = torch.where(tv, k.double(), torch.full((), float("-inf"), dtype=torch.float64)).amax(3, keepdim=True)
+    assert torch.allclose(f["k_shift"].double(), (lo + hi) / 2, rtol=2.0**-10, atol=0)
+    shift = f["k_shift"].float()
+    kc = k - shift  # what the key codes hold
     # scales: absmax / 448 over the valid tokens only (padding garbage left out), rounded up into fp16
     for stored, ideal in (
-        (f["k_scale"], amax_scale64(k, 3, tv)),
+        (f["k_scale"], amax_scale64(kc, 3, tv)),
         (f["v_scale"].unsqueeze(-1), amax_scale64(v.reshape(B, H, n, T, D // G, G), 5, tv.unsqueeze(-1))),
     ):
         ratio = stored.double() / ideal.clamp_min(2.0**-14)
         assert bool(((ratio >= 1) & (ratio <= 1 + 2.0**-9)).all())
-    for x, got, scale in ((k, kd, f["k_scale"]), (v, vd, f["v_scale"].repeat_interleave(G, -1))):
-        # codes: the nearest e4m3 of x / scale, as the float64 oracle rounds it (fp32 division aside)
-        ref = oracle64(x, scale)
+    zero = torch.zeros(())
+    for x, got, scale, c in ((k, kd, f["k_scale"], shift), (v, vd, f["v_scale"].repeat_interleave(G, -1), zero)):
+        # codes: the nearest e4m3 of (x - shift) / scale, as the float64 oracle rounds it (fp32 division aside)
+        ref = oracle64(x - c, scale) + c.double()
         assert _err(got, x, valid) <= _err(ref, x, valid) * (1 + 1e-4) + 1e-7
-        assert _err(got, ref, valid) <= 1e-3 * _err(ref, x, valid)
-        # the e4m3 rounding bound per entry: 2**-4 relative, 2**-10 of the scale among subnormals
+        assert _err(got, ref, valid) <= 1e-3 * _err(ref, x, valid) + 1e-6
+        # the e4m3 rounding bound per entry: 2**-4 relative (to the centered value), 2**-10 of the
+        # scale among subnormals
         s = scale.float().expand_as(x)
-        bound = torch.maximum(x.abs() * 2.0**-4, s * 2.0**-10) * (1 + 1e-5) + 1e-7
+        bound = torch.maximum((x - c).abs() * 2.0**-4, s * 2.0**-10) * (1 + 1e-5) + 1e-6
         assert bool(((got - x).abs() <= bound)[valid.unsqueeze(-1).expand_as(x)].all())
         # finer scales beat one scale per tensor (transformers' fp8 QuantizedCache) on outliers
         dense = x.masked_fill(~valid.unsqueeze(-1).expand_as(x), 0.0)
@@ -141,7 +150,7 @@ def test_fp8_key_range_bounds_the_stored_keys(rotate):
     f = codec.encode(k, v, valid)
     f["valid"] = valid
     lo, hi = codec.key_range(f)
-    stored = f["k_codes"].view(FP8).float() * f["k_scale"].float()  # rotated space when rotate
+    stored = f["k_codes"].view(FP8).float() * f["k_scale"].float() + f["k_shift"].float()  # rotated space when rotate
     inside = (stored >= lo.unsqueeze(3)) & (stored <= hi.unsqueeze(3))
     assert bool(inside[valid.unsqueeze(-1).expand_as(stored)].all())
     real = valid[0, 0, 0]
