@@ -235,15 +235,21 @@ class PrefixStore:
             logger.warning("kvtier: block file %s cannot be read (%s): a miss", path, err)
             self.counters["disk_errors"] += 1
             return None
+        record, err = self._checked(data)
+        if err is not None:
+            self.counters["corrupt"] += 1
+            removed = self._unlink(path)
+            logger.warning("kvtier: block file %s fails its checks (%s): a miss%s", path, err, ", removed" * removed)
+        return record
+
+    def _checked(self, data: bytes) -> tuple[torch.Tensor | None, RecordCorrupt | None]:
+        """``(record, None)`` when ``data`` is a whole record of this store's format, else ``(None, why)``."""
         record = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         try:
             self.codec.verify(record)
         except RecordCorrupt as err:
-            self.counters["corrupt"] += 1
-            removed = self._unlink(path)
-            logger.warning("kvtier: block file %s fails its checks (%s): a miss%s", path, err, ", removed" * removed)
-            return None
-        return record
+            return None, err
+        return record, None
 
     def _unlink(self, path: Path) -> bool:
         """Remove a block file if this process may (True when it did); a failure is counted, never raised."""
@@ -397,15 +403,12 @@ class PrefixStore:
         if data is None:
             self.counters["remote_misses"] += 1
             return None
-        record = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        try:
-            self.codec.verify(record)
-        except RecordCorrupt as err:
+        record, err = self._checked(data)
+        if err is not None:
             self.counters["remote_rejected"] += 1
             self.remote.warn_once(
                 "corrupt", "kvtier: a record in Redis %s fails its checks (%s): a miss", self.remote.shown, err
             )
-            return None
         return record
 
     def _level_of(self, record: torch.Tensor) -> int:
