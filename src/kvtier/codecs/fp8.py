@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 
 from ..quant import rotation
-from ..quant.groups import SCALE_ROUND
+from ..quant.groups import SCALE_ROUND, valid_minmax
 from .base import FP16_BYTES, check_params, encode_inputs
 
 #: fp8 e4m3 (OCP "fn": no infinities, max 448), the format of transformers' and vLLM's fp8 KV caches.
@@ -63,12 +63,16 @@ def key_shift(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     codes erase a channel's whole variation (streamed perplexity +392 % at 4k); codes of the
     centered keys keep it (relative key error 0.0153 -> 0.0004 in layer 0).
     """
-    kf = k.float()
-    v = valid.expand_as(kf)
-    lo = torch.where(v, kf, torch.full_like(kf, float("inf"))).amin(3, keepdim=True)
-    hi = torch.where(v, kf, torch.full_like(kf, float("-inf"))).amax(3, keepdim=True)
-    mid = torch.where(lo <= hi, (lo + hi) / 2, torch.zeros_like(lo))
-    return mid.clamp(-65504.0, 65504.0).to(torch.float16)
+    lo, hi = _key_bounds(k.float(), valid)
+    return ((lo + hi) / 2).clamp(-65504.0, 65504.0).to(torch.float16)
+
+
+def _key_bounds(k: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel ``(lo, hi)`` of ``k [B,H,n,T,D]`` over each block's valid tokens, ``[B,H,n,1,D]``;
+    ``(0, 0)`` for a block without one."""
+    lo, hi = valid_minmax(k, 3, valid)
+    empty = lo > hi
+    return lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
 
 
 def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -140,12 +144,8 @@ class Fp8Codec:
         """Per-channel ``(lo, hi)`` of each block's stored keys, fp32 ``[B,H,n,D]`` (rotated space when
         ``rotate``): the min and max over the block's valid tokens, computed from the codes (nothing
         extra is stored; it reads every key code once). Empty blocks give ``(0, 0)``."""
-        k = self._stored_keys(f)
-        valid = f["valid"].unsqueeze(-1)  # [B,1,n,T,1]
-        lo = torch.where(valid, k, torch.full_like(k, float("inf"))).amin(3)
-        hi = torch.where(valid, k, torch.full_like(k, float("-inf"))).amax(3)
-        empty = lo > hi
-        return lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+        lo, hi = _key_bounds(self._stored_keys(f), f["valid"].unsqueeze(-1))  # valid [B,1,n,T,1]
+        return lo.squeeze(3), hi.squeeze(3)
 
     def nbytes(self, B: int, H: int, n: int, T: int, D: int) -> int:
         codes = B * H * n * T * D

@@ -75,9 +75,16 @@ def _valid_range(
     xf = x.float()
     if valid is not None:
         valid = valid.expand_as(xf)
-    mn = _valid_fill(xf, valid, float("inf")).amin(dim, keepdim=True)
-    mx = _valid_fill(xf, valid, float("-inf")).amax(dim, keepdim=True)
+    mn, mx = valid_minmax(xf, dim, valid)
     return xf, valid, mn, mx
+
+
+def valid_minmax(x: torch.Tensor, dim: int, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` over ``dim`` (kept, size 1) of the entries where ``valid`` (broadcastable to
+    ``x``) is True; ``(inf, -inf)`` where there are none."""
+    return _valid_fill(x, valid, float("inf")).amin(dim, keepdim=True), _valid_fill(x, valid, float("-inf")).amax(
+        dim, keepdim=True
+    )
 
 
 def fit_scale_zero(mn: torch.Tensor, mx: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
