@@ -109,62 +109,64 @@ def test_unsupported_configurations_are_refused_at_build(gemma_path, pages, stor
     assert refusal in out["error"] and "Gemma 3" in out["error"], out
 
 
-def test_the_store_under_the_hybrid_manager_hits_and_survives_a_restart(gemma_path, gemma_ids, plain, tmp_path):
-    """Six KV-cache groups (5 sliding, 1 full): the store keeps each group's blocks vLLM offloads;
-    a hit holds in every group, so it stops one block short as vLLM's own prefix hit does."""
+def _stored_windows(gemma_path, gemma_ids, tmp_path, kwargs: dict):  # noqa: ANN001, ANN202
+    """An engine with the default store (RAM + block files in ``tmp_path``) stores each window's
+    prefix, then scores the windows again after ``reset_prefix_cache`` (the prefixes from the store).
+    Returns its KV tokens, ``[(nll, cached tokens)]`` per window, the store's stats and the windows."""
     cfg = kv_transfer_config("default", cpu_bytes=256 << 20, disk_path=tmp_path)
-    llm = make_llm(gemma_path, cfg)
+    llm = make_llm(gemma_path, cfg, **kwargs)
     store = engine_store(cfg.engine_id)
     windows = [gemma_ids[s : s + PREFIX + 65] for s in STARTS]
     try:
-        assert _capacity(llm) == plain["tokens"]
+        tokens = _capacity(llm)
         _nll_over_prefixes(llm, windows)  # stores the prefixes
         llm.reset_prefix_cache()
         stored = [teacher_nll(llm, ids) for ids in windows]
-        assert all(c >= PREFIX - BLOCK for _, c in stored), (stored, store.stats())
-        delta = sum(a for a, _ in stored) / 3 - sum(plain["nll"]) / 3
-        print(
-            f"Gemma 3 270M, default store under the hybrid manager: NLL {delta:+.4f} nats/token vs plain vLLM, "
-            f"cached {[c for _, c in stored]}, blocks {store.stats()['blocks']}"
-        )
-        assert delta <= STORE_NLL_BOUND, (stored, plain["nll"])
         store.flush()
-        groups = {int(f.stem[-8:], 16) for f in block_files(tmp_path)}
-        assert len(groups) > 1, groups  # blocks of several KV-cache groups
+        return tokens, stored, store.stats(), windows
     finally:
         close_llm(llm)
+
+
+def _restarted(gemma_path, tmp_path, windows, kwargs: dict) -> tuple[int, dict]:  # noqa: ANN001
+    """Tokens a new process over the same block folder takes for window 0's prefix, and its stats."""
     job = {"model": gemma_path, "disk": str(tmp_path), "prompts": [windows[0][:PREFIX] + [13]]}
-    out = run_child("restart_child.py", job | {"policy": "default"})
+    out = run_child("restart_child.py", job | {"policy": "default", "kwargs": kwargs})
     ((_, cached),) = out["outputs"]
+    return cached, out["stats"]
+
+
+def test_the_store_under_the_hybrid_manager_hits_and_survives_a_restart(gemma_path, gemma_ids, plain, tmp_path):
+    """Six KV-cache groups (5 sliding, 1 full): the store keeps each group's blocks vLLM offloads;
+    a hit holds in every group, so it stops one block short as vLLM's own prefix hit does."""
+    tokens, stored, stats, windows = _stored_windows(gemma_path, gemma_ids, tmp_path, {})
+    assert tokens == plain["tokens"]
+    assert all(c >= PREFIX - BLOCK for _, c in stored), (stored, stats)
+    delta = sum(a for a, _ in stored) / 3 - sum(plain["nll"]) / 3
+    print(
+        f"Gemma 3 270M, default store under the hybrid manager: NLL {delta:+.4f} nats/token vs plain vLLM, "
+        f"cached {[c for _, c in stored]}, blocks {stats['blocks']}"
+    )
+    assert delta <= STORE_NLL_BOUND, (stored, plain["nll"])
+    groups = {int(f.stem[-8:], 16) for f in block_files(tmp_path)}
+    assert len(groups) > 1, groups  # blocks of several KV-cache groups
+    cached, stats = _restarted(gemma_path, tmp_path, windows, {})
     print(f"Gemma 3 270M, hybrid manager, a new process over the same folder: {cached} cached tokens")
-    assert cached >= PREFIX - BLOCK, out["stats"]
+    assert cached >= PREFIX - BLOCK, stats
 
 
 def test_the_store_without_the_hybrid_manager_hits_and_survives_a_restart(gemma_path, gemma_ids, plain, tmp_path):
     """One KV-cache group (every layer keeps the whole sequence, so fewer KV tokens than plain vLLM):
     the default store serves the prefixes after ``reset_prefix_cache`` and after a restart."""
-    cfg = kv_transfer_config("default", cpu_bytes=256 << 20, disk_path=tmp_path)
-    llm = make_llm(gemma_path, cfg, **NO_HMA)
-    store = engine_store(cfg.engine_id)
-    windows = [gemma_ids[s : s + PREFIX + 65] for s in STARTS]
-    try:
-        tokens = _capacity(llm)
-        assert tokens < plain["tokens"], (tokens, plain["tokens"])
-        _nll_over_prefixes(llm, windows)  # stores the prefixes
-        llm.reset_prefix_cache()
-        stored = [teacher_nll(llm, ids) for ids in windows]
-        assert [c for _, c in stored] == [PREFIX] * 3, store.stats()
-        delta = sum(a for a, _ in stored) / 3 - sum(plain["nll"]) / 3
-        print(
-            f"Gemma 3 270M, default store (no hybrid manager): NLL {delta:+.4f} nats/token vs plain vLLM, "
-            f"{tokens:,} KV tokens vs {plain['tokens']:,}"
-        )
-        assert delta <= STORE_NLL_BOUND, (stored, plain["nll"])
-        store.flush()
-        assert block_files(tmp_path)
-    finally:
-        close_llm(llm)
-    job = {"model": gemma_path, "disk": str(tmp_path), "prompts": [windows[0][:PREFIX] + [13]]}
-    out = run_child("restart_child.py", job | {"policy": "default", "kwargs": NO_HMA})
-    ((_, cached),) = out["outputs"]
-    assert cached == PREFIX, out["stats"]
+    tokens, stored, stats, windows = _stored_windows(gemma_path, gemma_ids, tmp_path, NO_HMA)
+    assert tokens < plain["tokens"], (tokens, plain["tokens"])
+    assert [c for _, c in stored] == [PREFIX] * 3, stats
+    delta = sum(a for a, _ in stored) / 3 - sum(plain["nll"]) / 3
+    print(
+        f"Gemma 3 270M, default store (no hybrid manager): NLL {delta:+.4f} nats/token vs plain vLLM, "
+        f"{tokens:,} KV tokens vs {plain['tokens']:,}"
+    )
+    assert delta <= STORE_NLL_BOUND, (stored, plain["nll"])
+    assert block_files(tmp_path)
+    cached, stats = _restarted(gemma_path, tmp_path, windows, NO_HMA)
+    assert cached == PREFIX, stats

@@ -65,6 +65,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     ScheduleEndContext,
     TransferResult,
+    get_offload_group_idx,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -285,8 +286,8 @@ class KVTierWorker(OffloadingWorker):
         return views
 
     def _pages(self, key: bytes) -> list[torch.Tensor]:
-        """The layers of the KV-cache group a store key belongs to (the key ends with its group id)."""
-        gid = int.from_bytes(key[-4:], "big")
+        """The layers of the KV-cache group a store key belongs to (vLLM's key carries its group)."""
+        gid = get_offload_group_idx(key)
         if gid not in self.group_of:
             raise KVTierError(f"store key of KV-cache group {gid}: this engine offloads groups {sorted(self.group_of)}")
         return self.groups[self.group_of[gid]]
