@@ -2,7 +2,9 @@
 has no vLLM, still collects this folder and skips its modules; helpers are in ``vllm_helpers.py``).
 
 Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so a test can read the store's
-counters; the restart test starts a real second process (``restart_child.py``).
+counters; the restart test starts a real second process (``restart_child.py``), and
+``test_vllm_mp.py`` runs vLLM's default multiprocessing and tensor parallelism in children
+(``mp_child.py``).
 """
 
 from __future__ import annotations

@@ -86,15 +86,15 @@ def test_restart_hits_from_disk_and_damaged_files_are_misses(engine, book_ids, d
     with open(truncated, "r+b") as fh:
         fh.truncate(truncated.stat().st_size // 2)
     # what vLLM computes with blocks 0-4 cached and the rest recomputed (bf16 results depend on that split)
-    llm.reset_prefix_cache()
+    assert llm.reset_prefix_cache()
     (ref_b,) = generate(llm, [prompt_b], 16, max_load_tokens=5 * BLOCK)
-    assert ref_b[1] == 5 * BLOCK
+    assert ref_b[1] == 5 * BLOCK, store.stats()
     prompt_a, tokens_a = results["a"]
     job = {"model": model_path, "disk": str(disk), "prompts": [prompt_a, prompt_b]}
     out = run_child("restart_child.py", job)
     (hit_a, cached_a), (hit_b, cached_b) = out["outputs"]
     assert cached_a >= 2048 and hit_a == tokens_a  # a new process hits without recomputing
-    assert cached_b == 5 * BLOCK  # blocks 0-4 hit, block 5 fails its crc32: a miss from there on
+    assert cached_b == 5 * BLOCK, (out["stats"], store.stats())  # blocks 0-4 hit, block 5 fails its crc32: a miss from there on
     assert hit_b == ref_b[0]
     assert out["stats"]["corrupt"] == 1
     # both damaged files were replaced by the recomputed blocks the child stored

@@ -312,47 +312,16 @@ def test_import_kvtier_vllm_pulls_no_transformers_adapter():
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
 
 
-def test_store_under_multiprocessing_is_refused_when_the_engine_is_built(tmp_path):
-    """vLLM's default multiprocessing on the CPU platform puts the worker in a process of its own,
-    which the store does not support: the engine must not build (it used to build and die at its
-    first request)."""
-    import os
-    import subprocess
-    import sys
-
-    from kvtier.models import model_dir
-
-    script = (
-        "import sys\n"
-        "from vllm import LLM\n"
-        "from kvtier.vllm import kv_transfer_config\n"
-        "if __name__ == '__main__':\n"
-        "    try:\n"
-        f"        LLM(model={str(model_dir())!r}, dtype='bfloat16', max_model_len=1024, enforce_eager=True,\n"
-        "            kv_transfer_config=kv_transfer_config('default', cpu_bytes=1 << 26))\n"
-        "    except Exception as err:\n"
-        "        print('BUILD FAILED', type(err).__name__)\n"
-        "        sys.exit(3)\n"
-        "    print('BUILT')\n"
-    )
-    path = tmp_path / "mp_engine.py"
-    path.write_text(script)
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=600, env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 3 and "BUILD FAILED" in proc.stdout, out[-3000:]
-    assert "set VLLM_ENABLE_V1_MULTIPROCESSING=0" in out, out[-3000:]
-
-
-def test_manager_reports_the_stores_counters_as_vllm_metrics():
-    from kvtier.vllm.store.spec import _STORES, STORE_COUNTERS, KVTierManager, KVTierOffloadingSpec
+def test_manager_reports_the_stores_counters_as_vllm_metrics(tmp_path):
+    from kvtier.vllm.store.slots import SlotArea
+    from kvtier.vllm.store.spec import STORE_COUNTERS, KVTierManager, KVTierOffloadingSpec
 
     defined = KVTierOffloadingSpec.build_metric_definitions({})
     assert {name for name, _ in STORE_COUNTERS.values()} <= set(defined) and "vllm:kvtier_store_ram_bytes" in defined
     store = PrefixStore(get_store_policy("default"), SMALL, cpu_bytes=1 << 20)
-    _STORES["metrics-test"] = store
+    area = SlotArea.create(SMALL, 4 * SMALL.exact_bytes, {}, directory=tmp_path)
     try:
-        manager = KVTierManager("metrics-test", SMALL.tokens)
+        manager = KVTierManager(store, area, SMALL.tokens)
         for k in store.reserve([key(1), key(2)], [0, 0]):
             store.put(k, block(SMALL, 1))
         store.lookup(key(1))
@@ -366,7 +335,6 @@ def test_manager_reports_the_stores_counters_as_vllm_metrics():
         second = manager.get_stats().reduce()  # what happened since the last call only
         assert second == {"vllm:kvtier_store_lookup_hits": 1, "vllm:kvtier_store_ram_bytes": store.ram_bytes}
     finally:
-        _STORES.pop("metrics-test", None)
         store.close()
 
 
@@ -403,3 +371,60 @@ def test_page_layout_finds_where_vllms_cpu_kernels_keep_each_element(heads, head
     else:
         back.index_copy_(0, perm, expected.flatten())
     assert torch.equal(back, page)
+
+
+class _Ctx:
+    """A request context whose keys are not a sequence's first block (no sinks)."""
+
+    def get_offload_key_position(self, key: bytes) -> None:
+        return None
+
+
+def test_manager_moves_blocks_through_slots_and_never_overcommits_them(tmp_path):
+    """The scheduler side alone: stores take at most half the slots and forget what they cannot
+    take; hits beyond the free slots are misses; two requests loading one block share its slot;
+    a reset keeps the slots of discarded jobs out of use for a few steps."""
+    from kvtier.vllm.store.slots import QUARANTINE_STEPS, SlotArea
+    from kvtier.vllm.store.spec import KVTierManager
+
+    store = PrefixStore(get_store_policy("exact"), SMALL, cpu_bytes=1 << 30)
+    area = SlotArea.create(SMALL, 4 * SMALL.exact_bytes, {}, directory=tmp_path)
+    manager, ctx = KVTierManager(store, area, SMALL.tokens), _Ctx()
+    try:
+        out = manager.prepare_store([key(i) for i in range(3)], ctx)
+        assert out.keys_to_store == [key(0), key(1)] and len(set(out.store_spec.slots)) == 2
+        assert store.lookup(key(2)) == "miss" and store.lookup(key(0)) == "pending"
+        for i, slot in enumerate(out.store_spec.slots):  # what the workers copy
+            area.slot(slot).copy_(block(SMALL, i))
+        manager.complete_store(out.keys_to_store, ctx)
+        store.flush()
+        assert manager.pool.free == 4
+        manager.on_schedule_end(None)
+        assert [manager.lookup(key(i), ctx).name for i in (0, 1, 0)] == ["HIT", "HIT", "HIT"]
+        spec = manager.prepare_load([key(0), key(1)], ctx)
+        again = manager.prepare_load([key(0)], ctx)  # a second request on the same prefix
+        assert again.slots == spec.slots[:1] and manager.pool.free == 2
+        assert torch.equal(area.slot(spec.slots[1]), block(SMALL, 1))
+        manager.on_schedule_end(None)
+        manager.complete_load([key(0), key(1)], ctx)
+        assert manager.pool.free == 3  # key 0 is still loading for the other request
+        manager.complete_load([key(0)], ctx)
+        assert manager.pool.free == 4
+        for k in range(4, 8):  # fills RAM with more blocks to hit
+            manager.complete_store(manager.prepare_store([key(k)], ctx).keys_to_store, ctx)
+            store.flush()
+        manager.on_schedule_end(None)
+        found = [manager.lookup(key(k), ctx).name for k in (0, 1, 4, 5, 6)]
+        assert found == ["HIT"] * 4 + ["MISS"] and store.counters["slots_short"] == 1  # 4 slots
+        manager.on_schedule_end(None)
+        pending = manager.prepare_store([key(9)], ctx)
+        loading = manager.prepare_load([key(0)], ctx)
+        assert manager.pool.free == 2
+        manager.reset_cache()  # vLLM discards both jobs: their completions never come
+        for _ in range(QUARANTINE_STEPS - 1):
+            manager.on_schedule_end(None)
+            assert manager.pool.free == 2
+        manager.on_schedule_end(None)
+        assert manager.pool.free == 4 and pending.keys_to_store and loading.slots
+    finally:
+        store.close()

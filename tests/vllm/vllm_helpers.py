@@ -74,11 +74,13 @@ def block_files(path: Path) -> list[Path]:
     return sorted(path.rglob("*.kvb"))
 
 
-def run_child(script: str, job: dict) -> dict:
-    """Run ``tests/vllm/<script>`` in a new process with ``job`` as JSON on stdin; its last stdout
-    line, parsed (a restart, or an engine build that must not leave vLLM's state in this process)."""
+def run_child(script: str, job: dict, env: dict[str, str] | None = None, *, fails: bool = False) -> dict:
+    """Run ``tests/vllm/<script>`` in a new process with ``job`` as JSON on stdin (and ``env`` added
+    to this environment); its last stdout line that is a JSON object, parsed (a restart, or an
+    engine build that must not leave vLLM's state in this process). ``fails``: the child must exit
+    non-zero; returns ``{"output": its stdout and stderr}``."""
     here = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), *sys.path])}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(here), *sys.path])}
     proc = subprocess.run(
         [sys.executable, str(here / script)],
         input=json.dumps(job),
@@ -87,5 +89,9 @@ def run_child(script: str, job: dict) -> dict:
         timeout=900,
         env=env,
     )
+    if fails:
+        assert proc.returncode != 0, proc.stdout[-2000:]
+        return {"output": proc.stdout + proc.stderr}
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # vLLM's shutdown may log to stdout after the child's JSON line
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])

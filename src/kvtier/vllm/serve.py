@@ -57,27 +57,19 @@ def _model(model: str) -> str:
     return str(model_dir(model)) if model in MODELS else model
 
 
-def _store_part(store: str, cpu_bytes, disk, disk_bytes, remote, environ, packed_pages: bool):  # noqa: ANN001, ANN202
-    """The prefix store's flag, environment and description (see :func:`plan_serve`); ``remote``:
+def _store_part(store: str, cpu_bytes, disk, disk_bytes, remote, packed_pages: bool):  # noqa: ANN001, ANN202
+    """The prefix store's flags and description (see :func:`plan_serve`); ``remote``:
     the Redis tier's keyword arguments of :func:`kvtier.vllm.kv_transfer_config`."""
     from . import kv_transfer_config
     from .store.remote import redact
 
     extra = {"cpu_bytes": cpu_bytes} if cpu_bytes is not None else {}
     config = kv_transfer_config(store, disk_path=disk, disk_bytes=disk_bytes, as_json=True, **extra, **remote)
-    # the store lives in vLLM's scheduler process: the engine core's executor must keep the worker
-    # there (refused at build otherwise, see kvtier.vllm.store.spec)
-    if environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
-        raise ValueError(
-            "--store needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (the store lives in vLLM's scheduler process); "
-            "unset it or set it to 0"
-        )
     where = f", blocks on disk in {disk}" if disk else ""
     if remote.get("remote"):
         where += f", shared through {redact(remote['remote'])}"
     as_pages = ", blocks stored as their packed pages" if packed_pages else ""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    return ["--kv-transfer-config", config], env, f"prefix store ({store}{where}{as_pages})"
+    return ["--kv-transfer-config", config], f"prefix store ({store}{where}{as_pages})"
 
 
 def plan_serve(
@@ -122,11 +114,8 @@ def plan_serve(
         kernels = ("vllm_paged_cpu", "prefill_cpu") if get_page_policy(pages).packed else ()
         what.append(f"packed KV pages ({pages})")
     if store is not None:
-        flags, store_env, said = _store_part(
-            store, cpu_bytes, disk, disk_bytes, shared, environ, packed_pages=bool(kernels)
-        )
+        flags, said = _store_part(store, cpu_bytes, disk, disk_bytes, shared, packed_pages=bool(kernels))
         ours += flags
-        env |= store_env
         what.append(said)
     what = " and ".join(what)
     twice = sorted(_flag_names(ours) & _flag_names(vllm_args))

@@ -5,11 +5,13 @@ keeps its scheduler logic (block hashes, which blocks to look up, load and store
 asks an ``OffloadingSpec`` for two objects: a scheduler-side ``OffloadingManager`` (lookup,
 prepare/complete load and store, keyed by ``OffloadKey`` = block hash + group) and a worker-side
 ``OffloadingWorker`` (``submit_store``/``submit_load``/``get_finished``/``wait`` over per-layer int8
-page views ``(num_blocks, page_bytes)``). :class:`KVTierOffloadingSpec` gives both over one
-:class:`kvtier.vllm.store.prefix.PrefixStore`, shared through :func:`engine_store` by the scheduler and
-the worker of an engine: with one worker (``tensor_parallel_size=1``, vLLM's in-process ``uni``
-executor) both live in the engine-core process. The CPU platform switches that executor to ``mp``
-(a worker process) unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; GPU platforms keep ``uni``.
+page views ``(num_blocks, page_bytes)``). :class:`KVTierOffloadingSpec` gives both: the manager owns
+the engine's :class:`kvtier.vllm.store.prefix.PrefixStore` in vLLM's scheduler process (the engine
+core), each worker (one per tensor-parallel rank; in the engine core with vLLM's in-process
+executor, a process of its own under its default multiprocessing) copies its KV heads of whole
+blocks between vLLM's pages and the shared transfer slots of :mod:`kvtier.vllm.store.slots`.
+Records hold every KV head whatever the parallel layout (a server with TP = 2 and one with TP = 1
+share block files and Redis records).
 
 Page layout (vLLM CPU attention, ``KVCacheLayout.LBHNC``): one layer's page of one block is
 ``[H, T, 2 * D]`` elements, keys then values per head, each in the order of vLLM's CPU kernels
@@ -19,17 +21,19 @@ store's records hold a block over all layers in canonical order, ``kv: [L, H, 2,
 block format version 2 the page bytes were read as if already in that order: the codecs' channel
 groups and sink tokens fell on the wrong elements).
 
-Loads decode inline in ``submit_load`` (the request waits for them anyway; a decoding thread
-competing for the GIL with the engine's polling loop was 20x slower on the CPU platform); stores
-run on the store's worker thread.
+Loads decode on the scheduler's thread when vLLM prepares them (the request waits for them
+anyway; a decoding thread competing for the GIL with the engine's polling loop was 20x slower on
+the CPU platform); stores encode on the store's worker thread once every worker copied its part.
 
 Failure: vLLM's offloading worker asserts that every transfer succeeded (``get_finished``), so a
 load cannot fail after lookup said hit. Every check therefore happens at lookup (block files are
-read and verified there, see :mod:`kvtier.vllm.store.prefix`); loads read records already checked and
-pinned in RAM. A failed store only makes a future miss.
+read and verified there, see :mod:`kvtier.vllm.store.prefix`; a hit also needs a free transfer
+slot); loads decode records already checked and pinned in RAM. A failed store only makes a future
+miss.
 
 Imports vLLM (this module is loaded by vLLM, or through :mod:`kvtier.vllm.store.config`), torch,
-``kvtier.errors`` and the store's own modules (:mod:`.blocks`, :mod:`.config`, :mod:`.prefix`);
+``kvtier.errors`` and the store's own modules (:mod:`.blocks`, :mod:`.config`, :mod:`.prefix`,
+:mod:`.remote`, :mod:`.slots`);
 never :mod:`kvtier.vllm.pages`, transformers or ``kvtier.hf``.
 """
 
@@ -42,8 +46,7 @@ import queue
 import threading
 import time
 from collections.abc import Collection, Sequence
-from concurrent.futures import Future
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -76,6 +79,7 @@ from .config import StoreConfig
 from .policy import get_store_policy
 from .prefix import PrefixStore
 from .remote import RemoteTier, load_key
+from .slots import SlotArea, SlotPool, pointer_path, slot_dir
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +122,14 @@ STORE_COUNTERS: dict[str, tuple[str, str]] = {
     "disk_bytes_written": ("vllm:kvtier_store_disk_bytes_written", "Bytes written to block files."),
     "store_ns": ("vllm:kvtier_store_encode_seconds", "Seconds spent encoding blocks (store thread)."),
     "load_ns": ("vllm:kvtier_store_decode_seconds", "Seconds spent decoding blocks for loads."),
+    "slots_short": (
+        "vllm:kvtier_store_slots_short",
+        "Hits reported as misses: every transfer slot was promised to other loads this step.",
+    ),
+    "store_slots_short": (
+        "vllm:kvtier_store_store_slots_short",
+        "Blocks not stored: no transfer slot free for stores (raise transfer_bytes).",
+    ),
     "remote_hits": (
         "vllm:kvtier_store_remote_hits",
         "Hits read from the shared Redis pool (checked, then kept in RAM).",
@@ -140,76 +152,115 @@ STORE_GAUGES: dict[str, str] = {
     "vllm:kvtier_store_ram_bytes": "Bytes of kvtier's prefix store counted against cpu_bytes.",
 }
 
+#: block buffers a manager keeps for the copies waiting to be encoded (a burst allocates more, freed after)
+KEPT_BUFFERS = 8
+
 _STORES: dict[str, PrefixStore] = {}
 _STORES_LOCK = threading.Lock()
 
 
 def engine_store(engine_id: str) -> PrefixStore | None:
-    """The store of an engine running in this process (tests, benchmarks), or None."""
+    """The store of an engine whose scheduler runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+    tests, benchmarks), or None."""
     return _STORES.get(engine_id)
 
 
 class KVTierLoadStoreSpec(LoadStoreSpec):
-    """Which store blocks a transfer reads or writes: their keys, in the order of vLLM's block ids."""
+    """Which store blocks a transfer reads or writes (their keys, in the order of vLLM's block ids)
+    and the transfer slot of each (:mod:`kvtier.vllm.store.slots`)."""
 
-    def __init__(self, keys: Collection[bytes]):
+    def __init__(self, keys: Collection[bytes], slots: Collection[int]):
         self.keys = list(keys)
+        self.slots = list(slots)
 
     def __repr__(self) -> str:
         return f"KVTierLoadStoreSpec({len(self.keys)} blocks)"
 
 
 class KVTierManager(OffloadingManager):
-    """Scheduler side: vLLM's manager contract over :class:`PrefixStore` bookkeeping."""
+    """Scheduler side: vLLM's manager contract over the engine's :class:`PrefixStore` and the
+    transfer slots shared with its workers.
 
-    def __init__(self, engine_id: str, tokens_per_block: int):
-        self.engine_id = engine_id
+    Stores: :meth:`prepare_store` reserves the blocks it has slots for, the workers copy their
+    pages into the slots, :meth:`complete_store` (every worker done) copies each block out of its
+    slot, frees the slot and has the store's thread encode the copy. Loads: a hit at :meth:`lookup` promises a slot,
+    :meth:`prepare_load` decodes the record into it, :meth:`complete_load` frees it.
+    """
+
+    def __init__(self, store: PrefixStore, area: SlotArea, tokens_per_block: int):
+        self.store = store
+        self.area = area
+        self.pool = SlotPool(area.count)
         self.tokens_per_block = tokens_per_block
-        self._store: PrefixStore | None = None
+        self._stores: dict[bytes, int] = {}  # key -> slot, until its store job completes
+        self._loads: dict[bytes, list[int]] = {}  # key -> [slot, jobs], until its load jobs complete
+        self._promised: set[bytes] = set()  # hits of this step (requests sharing a prefix share a slot)
+        # blocks copied out of their slots, waiting for the store's thread to encode them (a slot
+        # is held one step, whatever the encoding backlog); reused: a fresh tensor per block costs
+        # page faults on every store
+        self._buffers: list[torch.Tensor] = []
+        self._buffers_lock = threading.Lock()
         self._reported: dict[str, int] = {}  # counters at the last get_stats
 
-    @property
-    def store(self) -> PrefixStore:
-        if self._store is None:
-            self._store = engine_store(self.engine_id)
-            if self._store is None:
-                raise KVTierError(
-                    "kvtier's prefix store is not in vLLM's scheduler process: it needs vLLM's in-process "
-                    "executor (one worker); on the CPU platform set VLLM_ENABLE_V1_MULTIPROCESSING=0"
-                )
-        return self._store
-
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return _LOOKUP[self.store.lookup(key)]
+        found = self.store.lookup(key)
+        if found == "hit" and key not in self._loads and key not in self._promised:
+            if not self.pool.promise():
+                self.store.counters["slots_short"] += 1
+                return LookupResult.MISS
+            self._promised.add(key)
+        return _LOOKUP[found]
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """The store's counters since the last call and its RAM bytes (vLLM's stats log and ``/metrics``)."""
-        store = self._store or engine_store(self.engine_id)
-        if store is None:
-            return None
-        counters = store.counter_snapshot()
+        counters = self.store.counter_snapshot()
         stats = OffloadingConnectorStats()
         for key, (name, _) in STORE_COUNTERS.items():
             delta = counters.get(key, 0) - self._reported.get(key, 0)
             if delta:
                 stats.increase_counter(name, delta / 1e9 if key.endswith("_ns") else delta)
         self._reported = counters
-        stats.set_gauge("vllm:kvtier_store_ram_bytes", store.ram_bytes)
+        stats.set_gauge("vllm:kvtier_store_ram_bytes", self.store.ram_bytes)
         return stats
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        """Decode each block into a transfer slot (on this thread: the request waits for it anyway,
+        and a decoding thread contends for the GIL with the engine's loop)."""
         keys = list(keys)
+        slots = []
         self.store.pin(keys)
-        return KVTierLoadStoreSpec(keys)
+        try:
+            for key in keys:
+                held = self._loads.get(key)
+                if held is None:
+                    slot = self.pool.take_load()
+                    self._loads[key] = held = [slot, 0]
+                    try:
+                        self.store.read(key, self.area.slot(slot))
+                    except BaseException:
+                        del self._loads[key]
+                        self.pool.release([slot])
+                        raise
+                held[1] += 1
+                slots.append(held[0])
+        finally:
+            self.store.unpin(keys)
+        return KVTierLoadStoreSpec(keys, slots)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.store.touch(list(keys))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.store.unpin(list(keys))
+        for key in keys:
+            held = self._loads.get(key)
+            if held is not None:
+                held[1] -= 1
+                if held[1] <= 0:
+                    del self._loads[key]
+                    self.pool.release([held[0]])
 
     def _sink(self, key: OffloadKey, req_context: ReqContext) -> int:
         end = req_context.get_offload_key_position(key)
@@ -222,30 +273,77 @@ class KVTierManager(OffloadingManager):
         keys = list(keys)
         self.store.touch(keys)
         new = self.store.reserve(keys, [self._sink(k, req_context) for k in keys])
-        return PrepareStoreOutput(keys_to_store=new, store_spec=KVTierLoadStoreSpec(new), evicted_keys=[])
+        slots = self.pool.take_store(len(new))
+        if len(slots) < len(new):  # no transfer slot left: these stay unstored (a future miss)
+            self.store.abort(new[len(slots) :])
+            self.store.counters["store_slots_short"] += len(new) - len(slots)
+            new = new[: len(slots)]
+        self._stores.update(zip(new, slots))
+        return PrepareStoreOutput(keys_to_store=new, store_spec=KVTierLoadStoreSpec(new, slots), evicted_keys=[])
+
+    def _encode(self, key: bytes, kv: torch.Tensor) -> None:
+        try:
+            self.store.put(key, kv)
+        except Exception:  # put forgets the block: a future miss
+            logger.exception("kvtier: a block could not be encoded into the store")
+        finally:
+            with self._buffers_lock:
+                if len(self._buffers) < KEPT_BUFFERS:
+                    self._buffers.append(kv)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
-        if not success:
-            self.store.abort(list(keys))
+        """Every worker copied its part: the blocks leave their slots for the store's thread (in the
+        order they were prepared: vLLM passes a set, and a sequence's blocks are best written in order)."""
+        keys = keys if isinstance(keys, (set, frozenset, dict)) else set(keys)
+        for key in [k for k in self._stores if k in keys]:
+            slot = self._stores.pop(key)
+            if success:
+                with self._buffers_lock:
+                    kv = self._buffers.pop() if self._buffers else None
+                kv = torch.empty_like(self.area.slot(slot)) if kv is None else kv
+                kv.copy_(self.area.slot(slot))
+                self.store.submit(self._encode, key, kv)
+            else:
+                self.store.abort([key])
+            self.pool.release([slot])
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self.store.maintain()
+        self._promised.clear()
+        self.pool.end_step()
 
     def reset_cache(self) -> None:
+        # vLLM discards the jobs in flight (their completions never come): their slots wait a few
+        # steps, since a worker may still copy into them in the next step
+        self.pool.retire(list(self._stores.values()) + [held[0] for held in self._loads.values()])
+        self._stores.clear()
+        self._loads.clear()
         self.store.flush()
         self.store.reset()
 
+    def shutdown(self) -> None:
+        self.store.flush()
+
 
 class KVTierWorker(OffloadingWorker):
-    """Worker side: gathers whole blocks from vLLM's pages into the store and back, on the
-    store's worker thread; ``get_finished`` reports what is done."""
+    """Worker side (one per tensor-parallel rank): copies this rank's heads ``[head0, head0 + H)``
+    of whole blocks between vLLM's pages and the transfer slots, inline (a block is a few hundred
+    KB: the slow parts, encoding and decoding, run in the scheduler's process)."""
 
-    def __init__(self, store: PrefixStore, kv_caches: CanonicalKVCaches, group_ids: Sequence[int] = (0,)):
-        self.store = store
-        fmt = store.fmt
+    def __init__(
+        self,
+        area: SlotArea,
+        fmt: BlockFormat,
+        kv_caches: CanonicalKVCaches,
+        group_ids: Sequence[int] = (0,),
+        head0: int = 0,
+    ):
+        self.area = area
+        self.fmt = fmt  # this rank's pages
+        self.heads = slice(head0, head0 + fmt.heads)
         if len(kv_caches.group_data_refs) != len(group_ids):
             raise KVTierError(
                 f"kvtier's prefix store expected {len(group_ids)} KV-cache groups, vLLM registered "
@@ -260,16 +358,11 @@ class KVTierWorker(OffloadingWorker):
         # `perm`), or [num_blocks, page_bytes] packed pages
         self.groups = [self._views(kv_caches, refs) for refs in kv_caches.group_data_refs]
         self._done: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
-        self._jobs: dict[int, Future] = {}
-        # one block each for the store thread's gather and the engine thread's loads: a fresh
-        # tensor per block costs page faults on every transfer
-        self._stored = torch.empty(fmt.shape, dtype=fmt.kv_dtype)
-        self._loaded = torch.empty(fmt.shape, dtype=fmt.kv_dtype)
 
     def _views(self, kv_caches: CanonicalKVCaches, refs: list) -> list[torch.Tensor]:  # noqa: ANN001
         """One group's per-layer views: ``[num_blocks, H, 2, T, D]`` of vLLM's pages (flat
         ``[num_blocks, H*2*T*D]`` with a ``perm``), or ``[num_blocks, page_bytes]`` packed pages."""
-        fmt = self.store.fmt
+        fmt = self.fmt
         page = fmt.exact_bytes // fmt.layers
         if len(refs) != fmt.layers:
             raise KVTierError(f"kvtier's prefix store expected {fmt.layers} layers per group, vLLM has {len(refs)}")
@@ -292,90 +385,59 @@ class KVTierWorker(OffloadingWorker):
             raise KVTierError(f"store key of KV-cache group {gid}: this engine offloads groups {sorted(self.group_of)}")
         return self.groups[self.group_of[gid]]
 
-    def _gather(self, pages: list[torch.Tensor], block: int) -> torch.Tensor:
-        """``kv: [L, H, 2, T, D]`` (or packed pages) of one block, into the store thread's buffer."""
-        if self.perm is None:
-            return torch.stack([p[block] for p in pages], out=self._stored)
-        flat = self._stored.view(len(pages), -1)
+    def _gather(self, pages: list[torch.Tensor], block: int, slot: torch.Tensor) -> None:
+        """This rank's heads of ``block`` into ``slot: [L, H, 2, T, D]`` (or packed pages)."""
+        if self.fmt.page_bytes:
+            torch.stack([p[block] for p in pages], out=slot)
+            return
         for layer, p in enumerate(pages):
-            torch.index_select(p[block], 0, self.perm, out=flat[layer])
-        return self._stored
-
-    def _scatter(self, pages: list[torch.Tensor], block: int, kv: torch.Tensor) -> None:
-        """Write ``kv: [L, H, 2, T, D]`` (or packed pages) into vLLM's pages of ``block``."""
-        for layer, p in enumerate(pages):
+            dst = slot[layer, self.heads]  # contiguous: heads are a layer's outer dimension
             if self.perm is None:
-                p[block].copy_(kv[layer])
+                dst.copy_(p[block])
             else:
-                p[block].index_copy_(0, self.perm, kv[layer].reshape(-1))
+                torch.index_select(p[block], 0, self.perm, out=dst.view(-1))
 
-    def _run(self, job_id: int, fn, *args) -> None:  # noqa: ANN001
-        def job() -> None:
-            t0 = time.perf_counter()
-            size = 0
-            try:
-                size = fn(*args)
-            except Exception:  # vLLM cannot take a failed transfer; a failed store is a future miss
-                logger.exception("kvtier: transfer job %d failed", job_id)
-            self._done.put(TransferResult(job_id, True, size, time.perf_counter() - t0))
+    def _scatter(self, pages: list[torch.Tensor], block: int, slot: torch.Tensor) -> None:
+        """This rank's heads of ``slot: [L, H, 2, T, D]`` (or packed pages) into vLLM's pages of ``block``."""
+        for layer, p in enumerate(pages):
+            src = slot[layer] if self.fmt.page_bytes else slot[layer, self.heads]
+            if self.perm is None:
+                p[block].copy_(src)
+            else:
+                p[block].index_copy_(0, self.perm, src.reshape(-1))
 
-        self._jobs[job_id] = self.store.submit(job)
-
-    def _store(self, keys: list[bytes], blocks: list[int]) -> int:
-        done = 0
-        try:
-            for key, b in zip(keys, blocks):
-                self.store.put(key, self._gather(self._pages(key), b))
-                done += 1
-        finally:  # a block whose store did not happen must not stay pending (the scheduler waits on it)
-            if done < len(keys):
-                self.store.abort(keys[done:])
-        return len(keys) * self.store.fmt.exact_bytes
-
-    def _load(self, keys: list[bytes], blocks: list[int]) -> int:
-        for key, b in zip(keys, blocks):
-            self._scatter(self._pages(key), b, self.store.read(key, self._loaded))
-        return len(keys) * self.store.fmt.exact_bytes
-
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        assert isinstance(dst_spec, KVTierLoadStoreSpec)
-        blocks = [int(b) for b in src_spec.block_ids]
-        if len(blocks) != len(dst_spec.keys):
-            raise KVTierError(f"store job {job_id}: {len(blocks)} vLLM blocks for {len(dst_spec.keys)} store blocks")
-        self._run(job_id, self._store, dst_spec.keys, blocks)
-        return True
-
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        assert isinstance(src_spec, KVTierLoadStoreSpec)
-        blocks = [int(b) for b in dst_spec.block_ids]
-        if len(blocks) != len(src_spec.keys):
-            raise KVTierError(f"load job {job_id}: {len(blocks)} vLLM blocks for {len(src_spec.keys)} store blocks")
-        # Inline on the engine's thread: the request waits for these blocks anyway, and on a CPU
-        # platform a decoding thread contends for the GIL with the engine's polling loop (a 3 ms
-        # decode took 70 ms there). Stores (encode + file write) stay on the store's thread.
+    def _transfer(self, job_id: int, what: str, block_ids, spec: LoadStoreSpec) -> bool:  # noqa: ANN001
+        assert isinstance(spec, KVTierLoadStoreSpec)
+        blocks = [int(b) for b in block_ids]
+        if not len(blocks) == len(spec.keys) == len(spec.slots):
+            raise KVTierError(
+                f"{what} job {job_id}: {len(blocks)} vLLM blocks for {len(spec.keys)} store blocks and "
+                f"{len(spec.slots)} slots"
+            )
+        copy = self._gather if what == "store" else self._scatter
         t0 = time.perf_counter()
-        size = self._load(src_spec.keys, blocks)
+        for key, block, slot in zip(spec.keys, blocks, spec.slots):
+            copy(self._pages(key), block, self.area.slot(slot))
+        size = len(blocks) * self.fmt.exact_bytes
         self._done.put(TransferResult(job_id, True, size, time.perf_counter() - t0))
         return True
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        return self._transfer(job_id, "store", src_spec.block_ids, dst_spec)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        return self._transfer(job_id, "load", dst_spec.block_ids, src_spec)
 
     def get_finished(self) -> list[TransferResult]:
         out = []
         while True:
             try:
-                r = self._done.get_nowait()
+                out.append(self._done.get_nowait())
             except queue.Empty:
                 return out
-            self._jobs.pop(r.job_id, None)
-            out.append(r)
 
     def wait(self, job_ids: set[int]) -> None:
-        for job_id in job_ids:
-            f = self._jobs.get(job_id)
-            if f is not None:
-                f.result()
-
-    def shutdown(self) -> None:
-        self.store.flush()
+        """Nothing to wait for: every transfer is done when ``submit_*`` returns."""
 
 
 def page_layout(heads: int, tokens: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -439,8 +501,9 @@ def _packed_pages(vllm_config, heads: int, head_dim: int, dtype: torch.dtype) ->
     return (name, PageFormat(policy, heads, head_dim, dtype).page_bytes) if policy.packed else None
 
 
-def _block_format(config: OffloadingConfig) -> tuple[BlockFormat, str | None]:
-    """The store's block format and, in an engine on kvtier's packed pages, the page policy's name."""
+def _block_format(config: OffloadingConfig) -> tuple[BlockFormat, str | None, int]:
+    """This worker's block format (its rank's KV heads), in an engine on kvtier's packed pages the
+    page policy's name, and the model's KV heads over all ranks."""
     from vllm.config import get_current_vllm_config_or_none
 
     group = config.groups[0]  # all of one size (checked by the spec)
@@ -455,6 +518,7 @@ def _block_format(config: OffloadingConfig) -> tuple[BlockFormat, str | None]:
     if vllm_config is not None:
         mc = vllm_config.model_config
         heads, head_dim = mc.get_num_kv_heads(vllm_config.parallel_config), mc.get_head_size()
+        total_heads = mc.get_total_num_kv_heads()
     else:  # the page size only gives heads * head_dim
         raise KVTierError("kvtier's prefix store could not read the model's KV heads and head size from vLLM's config")
     pages = _packed_pages(vllm_config, heads, head_dim, dtype)
@@ -465,40 +529,29 @@ def _block_format(config: OffloadingConfig) -> tuple[BlockFormat, str | None]:
             f"kvtier's prefix store computed {fmt.exact_bytes} bytes per block ({fmt}), vLLM "
             f"{config.worker_kv_bytes_per_block}: only plain full-attention models are supported"
         )
-    return fmt, None if pages is None else pages[0]
+    return fmt, None if pages is None else pages[0], total_heads
 
 
-def _require_one_process() -> None:
-    """Refuse, where vLLM builds the engine, an executor that puts the worker in a process of its own.
-
-    The store's scheduler side and its worker side share one :class:`PrefixStore` object, so they
-    must run in one process (vLLM's ``uni`` executor). vLLM's CPU platform turns ``uni`` into ``mp``
-    unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; without this check the engine built and died at its
-    first request.
-    """
-    from vllm import envs
-    from vllm.config import get_current_vllm_config_or_none
-    from vllm.platforms import current_platform
-
-    vllm_config = get_current_vllm_config_or_none()
-    backend = None if vllm_config is None else vllm_config.parallel_config.distributed_executor_backend
-    if backend is None or backend == "uni":
-        cpu_mp = current_platform.is_cpu() and envs.VLLM_ENABLE_V1_MULTIPROCESSING
-        backend = "mp" if cpu_mp else backend
-    if backend not in (None, "uni"):
-        raise KVTierError(
-            f"kvtier's prefix store needs vLLM's worker in the scheduler's process (executor 'uni'), this engine's "
-            f"executor is {backend!r}: set VLLM_ENABLE_V1_MULTIPROCESSING=0 (the CPU platform's default "
-            "multiprocessing moves the worker into a process of its own, which the store does not support yet)"
-        )
+def _check_parallel(config: OffloadingConfig) -> None:
+    """Refuse, where vLLM builds the engine, parallel layouts the store does not split blocks for."""
+    par = config.parallel
+    others = {"pipeline": par.pp_size, "prefill context": par.pcp_size, "decode context": par.dcp_size}
+    for name, size in others.items():
+        if size != 1:
+            raise KVTierError(
+                f"kvtier's prefix store supports tensor parallelism only: {name} parallel size is {size} (expected 1)"
+            )
 
 
 class KVTierOffloadingSpec(OffloadingSpec):
     """The spec named by :func:`kvtier.vllm.kv_transfer_config` (``spec_name``/``spec_module_path``).
 
-    vLLM builds one spec for the scheduler and one for the worker. The worker's creates the store
-    (it registers the KV caches at engine start, inside vLLM's config context, where the model's
-    KV heads and head size are known); the scheduler's manager finds it by engine id at first use.
+    vLLM builds one spec in the scheduler's process (the engine core) and one in each worker
+    (the same process with vLLM's in-process executor; processes of their own under its default
+    multiprocessing and per tensor-parallel rank). Each worker's spec knows the model's KV heads and
+    head size (it registers the KV caches inside vLLM's config context); rank 0's creates the
+    transfer area (:class:`SlotArea`) with the block format in its header. The scheduler's spec,
+    built after every worker registered, opens the area and builds the :class:`PrefixStore`.
     """
 
     @classmethod
@@ -523,54 +576,77 @@ class KVTierOffloadingSpec(OffloadingSpec):
             )
         if self.blocks_per_chunk != 1:
             raise KVTierError("kvtier's prefix store stores one vLLM block per record: leave block_size unset")
-        if config.parallel.world_size != 1:
-            raise KVTierError(
-                f"kvtier's prefix store runs with one worker (tensor/pipeline parallel size 1), got world size "
-                f"{config.parallel.world_size}"
-            )
-        _require_one_process()
+        _check_parallel(config)
         _log_through_vllm()
         self._manager: KVTierManager | None = None
         self._worker: KVTierWorker | None = None
 
-    def _create_store(self) -> PrefixStore:
-        config = self.config
-        with _STORES_LOCK:
-            store = _STORES.get(config.engine_id)
-            if store is None:
-                fmt, pages = _block_format(config)
-                sc = self.store_config
-                policy = sc.store_policy if pages is None else get_store_policy("exact")
-                fields = sc.policy_fields() if pages is None else asdict(policy)
-                what = [config.model.name, str(fmt), fields, self.tokens_per_hash]
-                if pages is not None:  # the page layout is the codec: one folder per page policy
-                    what.append(pages)
-                ident = json.dumps(what, sort_keys=True)
-                namespace = "kvtier-" + hashlib.sha256(ident.encode()).hexdigest()[:16]
-                remote = None
-                if sc.remote is not None:  # a bad key source is refused here, at engine build
-                    key = None if sc.remote_key is None else load_key(sc.remote_key)
-                    remote = RemoteTier(sc.remote, namespace, ttl=sc.remote_ttl, timeout=sc.remote_timeout, key=key)
-                store = PrefixStore(policy, fmt, sc.cpu_bytes, sc.disk_path, namespace, sc.disk_bytes, remote)
-                _STORES[config.engine_id] = store
-                logger.info("%s", store.describe())
-                if pages is not None and policy != sc.store_policy:
-                    logger.info(
-                        "kvtier prefix store: this engine's KV is in kvtier's packed pages (%s), stored as they "
-                        "are: the codecs of store policy %r do not apply",
-                        pages,
-                        sc.policy,
-                    )
+    def _build_store(self, fmt: BlockFormat, pages: str | None) -> PrefixStore:
+        """The engine's store over blocks of ``fmt`` (all KV heads); ``pages``: the packed page
+        policy's name where the engine attends through kvtier's packed pages."""
+        config, sc = self.config, self.store_config
+        policy = sc.store_policy if pages is None else get_store_policy("exact")
+        fields = sc.policy_fields() if pages is None else asdict(policy)
+        what = [config.model.name, str(fmt), fields, self.tokens_per_hash]
+        if pages is not None:  # the page layout is the codec: one folder per page policy
+            what.append(pages)
+        ident = json.dumps(what, sort_keys=True)
+        namespace = "kvtier-" + hashlib.sha256(ident.encode()).hexdigest()[:16]
+        remote = None
+        if sc.remote is not None:  # a bad key source is refused here, at engine build
+            key = None if sc.remote_key is None else load_key(sc.remote_key)
+            remote = RemoteTier(sc.remote, namespace, ttl=sc.remote_ttl, timeout=sc.remote_timeout, key=key)
+        store = PrefixStore(policy, fmt, sc.cpu_bytes, sc.disk_path, namespace, sc.disk_bytes, remote)
+        logger.info("%s", store.describe())
+        if pages is not None and policy != sc.store_policy:
+            logger.info(
+                "kvtier prefix store: this engine's KV is in kvtier's packed pages (%s), stored as they "
+                "are: the codecs of store policy %r do not apply",
+                pages,
+                sc.policy,
+            )
         return store
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            self._manager = KVTierManager(self.config.engine_id, self.tokens_per_block[0])
+            pointer = pointer_path(slot_dir(), self.config.engine_id)
+            area = SlotArea.open(pointer)
+            SlotArea.unlink(pointer, area.path)  # every worker has it mapped: no name outlives the engine
+            store = self._build_store(area.fmt, area.info.get("pages"))
+            self._manager = KVTierManager(store, area, self.tokens_per_block[0])
+            with _STORES_LOCK:
+                _STORES[self.config.engine_id] = store
+            logger.info(
+                "kvtier prefix store: %d transfer slots (%.0f MiB shared with %d worker(s))",
+                area.count,
+                area.count * area.fmt.exact_bytes / 2**20,
+                self.config.parallel.world_size,
+            )
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            self._worker = KVTierWorker(self._create_store(), kv_caches, [g.group_id for g in self.config.groups])
+            config, par = self.config, self.config.parallel
+            fmt, pages, total_heads = _block_format(config)
+            tp, rank = par.tp_size, par.rank % max(1, par.tp_size)
+            if tp > 1 and (pages is not None or total_heads != fmt.heads * tp):
+                raise KVTierError(
+                    f"kvtier's prefix store under tensor parallel size {tp} needs the KV heads ({total_heads}) split "
+                    "evenly across ranks and vLLM's own pages (not kvtier's packed pages)"
+                )
+            full = replace(fmt, heads=total_heads) if pages is None else fmt
+            area = None
+            if par.rank == 0:
+                area = SlotArea.create(full, self.store_config.transfer_bytes, {"pages": pages})
+            if tp > 1:  # the other ranks map the file rank 0 created (its name is unique to this start)
+                from vllm.distributed import get_tp_group
+
+                path = get_tp_group().broadcast_object(None if area is None else str(area.path), src=0)
+                area = area or SlotArea.open(path)
+            if par.rank == 0:
+                area.publish(pointer_path(slot_dir(), config.engine_id))
+            groups = [g.group_id for g in config.groups]
+            self._worker = KVTierWorker(area, fmt, kv_caches, groups, head0=rank * fmt.heads)
         return self._worker
 
 
