@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--cross-tp", type=int, default=None, help="also read the first server's folder at this TP")
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--prefix", type=int, default=2944)
+    ap.add_argument("--out", help="also write the final JSON line to this file")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -132,14 +133,17 @@ def main() -> None:
                     f"restart/recompute {row['restart_s'] / row['recompute_s']:.3f}"
                 )
             results[f"tp{tp}"] = rows
-        if args.cross_tp is not None:
-            first = next(iter(disks))
+        if args.cross_tp is not None:  # the folder of a server with another TP
+            first = next(tp for tp in disks if tp != args.cross_tp)
             job = {"model": path, "policy": args.policy, "disk": disks[first], "tp": args.cross_tp, "prompts": prompts}
             c = run({**job, "fresh": False})
             cached = [r["first"]["cached"] for r in c["rows"]]
             print(f"TP={args.cross_tp} server over TP={first}'s block files: cached {cached}")
             results[f"tp{args.cross_tp}_reads_tp{first}"] = cached
-    print(json.dumps({"benchmark": "vllm_store_mp", "model": args.model, "policy": args.policy, "results": results}))
+    line = json.dumps({"benchmark": "vllm_store_mp", "model": args.model, "policy": args.policy, "results": results})
+    print(line)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
 
 
 if __name__ == "__main__":

@@ -183,8 +183,9 @@ class KVTierManager(OffloadingManager):
 
     Stores: :meth:`prepare_store` reserves the blocks it has slots for, the workers copy their
     pages into the slots, :meth:`complete_store` (every worker done) copies each block out of its
-    slot, frees the slot and has the store's thread encode the copy. Loads: a hit at :meth:`lookup` promises a slot,
-    :meth:`prepare_load` decodes the record into it, :meth:`complete_load` frees it.
+    slot, frees the slot and has the store's thread encode the copy. Loads: a hit at
+    :meth:`lookup` promises a slot, :meth:`prepare_load` decodes the record into it,
+    :meth:`complete_load` frees it.
     """
 
     def __init__(self, store: PrefixStore, area: SlotArea, tokens_per_block: int):
