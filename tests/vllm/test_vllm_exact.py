@@ -94,7 +94,8 @@ def test_restart_hits_from_disk_and_damaged_files_are_misses(engine, book_ids, d
     out = run_child("restart_child.py", job)
     (hit_a, cached_a), (hit_b, cached_b) = out["outputs"]
     assert cached_a >= 2048 and hit_a == tokens_a  # a new process hits without recomputing
-    assert cached_b == 5 * BLOCK, (out["stats"], store.stats())  # blocks 0-4 hit, block 5 fails its crc32: a miss from there on
+    # blocks 0-4 hit, block 5 fails its crc32: a miss from there on
+    assert cached_b == 5 * BLOCK, (out["stats"], store.stats())
     assert hit_b == ref_b[0]
     assert out["stats"]["corrupt"] == 1
     # both damaged files were replaced by the recomputed blocks the child stored

@@ -2,8 +2,14 @@
 of its own, the store in the engine core) and with tensor parallelism 2 (two worker processes, each
 copying its KV heads of every block through the shared transfer slots). Hits after
 ``reset_prefix_cache`` and after a restart from disk, ``exact`` greedy tokens identical to vLLM's
-own prefix hit, kvtier's series in the metrics vLLM's frontend sees; a tensor-parallel layout the
-store cannot split is refused when the engine is built."""
+own prefix hit, kvtier's series in the metrics vLLM's frontend sees; a read-only, pre-filled block
+volume (a real tmpfs remounted read-only) serves its blocks while new prefixes are computed and kept
+in RAM, the engine never stalling; a tensor-parallel layout the store cannot split is refused when
+the engine is built."""
+
+import os
+import shutil
+import subprocess
 
 import pytest
 
@@ -79,3 +85,26 @@ def test_tensor_parallel_over_too_few_kv_heads_is_refused_at_build(tmp_path):
     job = {"model": model, "disk": str(tmp_path / "blocks"), "prompts": [], "steps": [], "tp": 2}
     out = run_child("mp_child.py", {**job, "kwargs": {"skip_tokenizer_init": True}}, env=MP, fails=True)["output"]
     assert "KV heads (1) split evenly" in out, out[-3000:]
+
+
+def test_read_only_prefilled_volume_serves_hits_and_never_stalls(model_path, book_ids, tmp_path):
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(volume)]
+    if subprocess.run(mount, capture_output=True).returncode:
+        pytest.skip("this process may not mount a tmpfs")
+    try:
+        old, new = book_ids[: PREFIX + 40], book_ids[30_000 : 30_000 + PREFIX + 40]
+        job = {"model": model_path, "disk": str(volume), "prompts": [old, new, [1, 2, 3]]}
+        run_child("mp_child.py", {**job, "steps": [["gen", 0], ["gen", 2]]}, env=MP)  # fills the volume
+        subprocess.run(["mount", "-o", "remount,ro", str(volume)], check=True, capture_output=True)
+        # run_child's timeout bounds the run: before the fix of issue 36 the first new prefix hung the engine
+        out = run_child("mp_child.py", {**job, "steps": [["gen", 0], ["gen", 1], ["reset"], ["gen", 1]]}, env=MP)
+        (_, old_cached), (_, new_cached), (_, new_again_cached) = out["outputs"]
+        assert old_cached >= 2048  # the volume's blocks are served
+        assert new_cached == 0 and new_again_cached >= 2048  # computed, then hit from RAM
+        assert out["metrics"].get("vllm:kvtier_store_disk_bytes_written", 0) == 0
+    finally:
+        subprocess.run(["umount", str(volume)], capture_output=True)
