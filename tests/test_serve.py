@@ -31,9 +31,18 @@ def test_pages_is_the_default_and_flags_go_on_to_vllm(tmp_path):
 
 
 def test_store_runs_under_vllms_default_multiprocessing(tmp_path):
-    plan = plan_serve("some/model", store="chat", cpu_bytes=1 << 30, disk=str(tmp_path), disk_bytes=2 << 30, environ={})
+    plan = plan_serve(
+        "some/model",
+        store="chat",
+        cpu_bytes=1 << 30,
+        disk=str(tmp_path),
+        disk_bytes=2 << 30,
+        transfer_bytes=1 << 28,
+        environ={},
+    )
     extra = json.loads(_flag(list(plan.argv), "--kv-transfer-config"))["kv_connector_extra_config"]
     assert (extra["kvtier_policy"], extra["kvtier_cpu_bytes"]) == ("chat", 1 << 30)
+    assert extra["kvtier_transfer_bytes"] == 1 << 28
     assert (extra["kvtier_disk_path"], extra["kvtier_disk_bytes"]) == (str(tmp_path), 2 << 30)
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in dict(plan.env)  # the store crosses processes
     assert "--additional-config" not in plan.argv
@@ -48,6 +57,7 @@ def test_the_users_environment_wins(tmp_path):
     "kwargs, message",
     [
         ({"disk": "/tmp/x"}, "add --store"),
+        ({"transfer_bytes": 1 << 28}, "add --store"),
         ({"vllm_args": ["--block-size=16"]}, "--block-size is set by kvtier serve"),
         ({"store": "default", "vllm_args": ["--kv_transfer_config", "{}"]}, "--kv-transfer-config is set"),
         ({"pages": "no-such-policy"}, "no-such-policy"),

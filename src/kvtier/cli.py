@@ -611,6 +611,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         remote=args.remote,
         remote_ttl=args.remote_ttl,
         remote_key=args.remote_key,
+        transfer_bytes=args.transfer_bytes,
         vllm_args=args.vllm_args,
     )
     return run(plan, dry_run=args.dry_run)
@@ -630,6 +631,11 @@ def _add_serve(sub: Any) -> None:
     s.add_argument("--cpu-bytes", type=_bytes, help="the store's RAM budget, e.g. 8G (default 4G)")
     s.add_argument("--disk", metavar="DIR", help="the store's block files (kept across restarts)")
     s.add_argument("--disk-bytes", type=_bytes, help="budget of the block files, e.g. 64G")
+    s.add_argument(
+        "--transfer-bytes",
+        type=_bytes,
+        help="shared memory (/dev/shm) through which blocks cross between vLLM's processes (default 512M)",
+    )
     s.add_argument(
         "--remote",
         metavar="URL",

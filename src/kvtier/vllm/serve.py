@@ -57,13 +57,13 @@ def _model(model: str) -> str:
     return str(model_dir(model)) if model in MODELS else model
 
 
-def _store_part(store: str, cpu_bytes, disk, disk_bytes, remote, packed_pages: bool):  # noqa: ANN001, ANN202
+def _store_part(store: str, cpu_bytes, disk, disk_bytes, transfer_bytes, remote, packed_pages: bool):  # noqa: ANN001, ANN202
     """The prefix store's flags and description (see :func:`plan_serve`); ``remote``:
     the Redis tier's keyword arguments of :func:`kvtier.vllm.kv_transfer_config`."""
     from . import kv_transfer_config
     from .store.remote import redact
 
-    extra = {"cpu_bytes": cpu_bytes} if cpu_bytes is not None else {}
+    extra = {k: v for k, v in {"cpu_bytes": cpu_bytes, "transfer_bytes": transfer_bytes}.items() if v is not None}
     config = kv_transfer_config(store, disk_path=disk, disk_bytes=disk_bytes, as_json=True, **extra, **remote)
     where = f", blocks on disk in {disk}" if disk else ""
     if remote.get("remote"):
@@ -83,20 +83,22 @@ def plan_serve(
     remote: str | None = None,
     remote_ttl: int | None = None,
     remote_key: str | None = None,
+    transfer_bytes: int | None = None,
     vllm_args: Sequence[str] = (),
     environ: Mapping[str, str] | None = None,
 ) -> ServePlan:
     """The server for ``model`` with packed pages of policy ``pages`` or the prefix store of policy
-    ``store`` (``cpu_bytes``, ``disk``, ``disk_bytes``, ``remote``, ``remote_ttl``, ``remote_key``
-    as :func:`kvtier.vllm.kv_transfer_config`); neither: packed pages, ``default``. ``vllm_args`` go
+    ``store`` (``cpu_bytes``, ``disk``, ``disk_bytes``, ``remote``, ``remote_ttl``, ``remote_key``,
+    ``transfer_bytes`` as :func:`kvtier.vllm.kv_transfer_config`); neither: packed pages, ``default``. ``vllm_args`` go
     to the server after kvtier's own flags."""
     from . import get_page_policy, serve_args
 
     environ = os.environ if environ is None else environ
-    store_flags = (cpu_bytes, disk, disk_bytes, remote, remote_ttl, remote_key)
+    store_flags = (cpu_bytes, disk, disk_bytes, remote, remote_ttl, remote_key, transfer_bytes)
     if store is None and any(v is not None for v in store_flags):
         raise ValueError(
-            "--cpu-bytes, --disk, --disk-bytes and --remote* configure the prefix store: add --store POLICY"
+            "--cpu-bytes, --disk, --disk-bytes, --transfer-bytes and --remote* configure the prefix store: "
+            "add --store POLICY"
         )
     if remote is None and (remote_ttl is not None or remote_key is not None):
         raise ValueError("--remote-ttl and --remote-key configure the Redis tier: add --remote URL")
@@ -114,7 +116,9 @@ def plan_serve(
         kernels = ("vllm_paged_cpu", "prefill_cpu") if get_page_policy(pages).packed else ()
         what.append(f"packed KV pages ({pages})")
     if store is not None:
-        flags, said = _store_part(store, cpu_bytes, disk, disk_bytes, shared, packed_pages=bool(kernels))
+        flags, said = _store_part(
+            store, cpu_bytes, disk, disk_bytes, transfer_bytes, shared, packed_pages=bool(kernels)
+        )
         ours += flags
         what.append(said)
     what = " and ".join(what)
