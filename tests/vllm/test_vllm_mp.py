@@ -28,23 +28,14 @@ VOCAB = 4096
 
 
 def _tiny_model(path: Path, kv_heads: int) -> str:
-    """A random 2-layer Llama (4 query heads of 64, ``kv_heads`` KV heads) saved for vLLM."""
+    """A random 2-layer :func:`kvtier.testing.tiny_llama` (4 query heads of 64, ``kv_heads`` KV
+    heads; decisive greedy tokens) saved in bf16 for vLLM."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=4096,
-        initializer_range=0.2,  # peaked logits: greedy tokens are not near-ties
-        torch_dtype="bfloat16",
-    )
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    from kvtier.testing import tiny_llama
+
+    shape = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=64)
+    tiny_llama(0, torch.bfloat16, vocab_size=VOCAB, num_key_value_heads=kv_heads, **shape).save_pretrained(path)
     return str(path)
 
 

@@ -31,7 +31,6 @@ import json
 import os
 import re
 import tempfile
-import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -58,6 +57,11 @@ def slot_dir() -> Path:
 def pointer_path(directory: Path, engine_id: str) -> Path:
     """The name under which an engine's scheduler finds its slot file."""
     return directory / f"kvtier-{re.sub(r'[^A-Za-z0-9_.-]', '_', engine_id)}.slots"
+
+
+def _file_bytes(fmt: BlockFormat, count: int) -> int:
+    """Size of a slot file: the header, then ``count`` exact blocks."""
+    return HEADER_BYTES + count * fmt.exact_bytes
 
 
 def _pid_alive(pid: int) -> bool:
@@ -91,8 +95,7 @@ class SlotArea:
 
     def __init__(self, path: Path, fmt: BlockFormat, count: int, info: dict[str, Any]):
         self.path, self.fmt, self.count, self.info = path, fmt, count, info
-        size = HEADER_BYTES + count * fmt.exact_bytes
-        raw = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        raw = torch.from_file(str(path), shared=True, size=_file_bytes(fmt, count), dtype=torch.uint8)
         self.slots = raw[HEADER_BYTES:].view(fmt.kv_dtype).view(count, *fmt.shape)
 
     def slot(self, i: int) -> torch.Tensor:
@@ -120,7 +123,7 @@ class SlotArea:
         header = json.dumps(fields).encode()
         if len(header) > HEADER_BYTES:
             raise KVTierError(f"kvtier's slot file header is {len(header)} bytes (at most {HEADER_BYTES})")
-        size = HEADER_BYTES + count * fmt.exact_bytes
+        size = _file_bytes(fmt, count)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
@@ -153,7 +156,7 @@ class SlotArea:
             layers, heads, tokens, head_dim, dtype, page_bytes = fields["fmt"]
             fmt = BlockFormat(layers, heads, tokens, head_dim, _DTYPES[dtype], page_bytes)
             count = int(fields["count"])
-            if fields["magic"] != MAGIC or size != HEADER_BYTES + count * fmt.exact_bytes:
+            if fields["magic"] != MAGIC or size != _file_bytes(fmt, count):
                 raise ValueError("header and size disagree")
         except FileNotFoundError:
             raise KVTierError(
@@ -187,7 +190,7 @@ class SlotPool:
     Loads may use every slot; stores at most those above ``count // 2`` held back for loads
     (a burst of stores must not turn every lookup into a miss). A lookup's hit is a *promise*
     (:meth:`promise`), kept until :meth:`end_step`; :meth:`take_load` turns one into a slot.
-    Thread-safe: the store's thread frees a slot when it has encoded from it.
+    Used on the scheduler's thread only (a stored block leaves its slot there, before encoding).
     """
 
     def __init__(self, count: int):
@@ -196,53 +199,45 @@ class SlotPool:
         self._free = list(range(count - 1, -1, -1))
         self._promised = 0
         self._quarantine: list[tuple[int, list[int]]] = []  # (steps left, slots)
-        self._lock = threading.Lock()
 
     @property
     def free(self) -> int:
-        with self._lock:
-            return len(self._free)
+        return len(self._free)
 
     def promise(self) -> bool:
         """Hold a slot for a lookup's hit in this step; False when none is left."""
-        with self._lock:
-            if self._promised >= len(self._free):
-                return False
-            self._promised += 1
-            return True
+        if self._promised >= len(self._free):
+            return False
+        self._promised += 1
+        return True
 
     def take_load(self) -> int:
         """A slot for a load (a promised one where this step made promises)."""
-        with self._lock:
-            if not self._free:
-                raise KVTierError("kvtier's prefix store has no transfer slot for a load lookup promised")
-            self._promised = max(0, self._promised - 1)
-            return self._free.pop()
+        if not self._free:
+            raise KVTierError("kvtier's prefix store has no transfer slot for a load lookup promised")
+        self._promised = max(0, self._promised - 1)
+        return self._free.pop()
 
     def take_store(self, n: int) -> list[int]:
         """Up to ``n`` slots for a store (none below the loads' reserve or this step's promises)."""
-        with self._lock:
-            k = max(0, min(n, len(self._free) - self._promised - self.reserve))
-            return [self._free.pop() for _ in range(k)]
+        k = max(0, min(n, len(self._free) - self._promised - self.reserve))
+        return [self._free.pop() for _ in range(k)]
 
     def release(self, slots: list[int]) -> None:
-        with self._lock:
-            self._free.extend(slots)
+        self._free.extend(slots)
 
     def retire(self, slots: list[int]) -> None:
         """Free ``slots`` only after :data:`QUARANTINE_STEPS` steps (their jobs were discarded)."""
         if slots:
-            with self._lock:
-                self._quarantine.append((QUARANTINE_STEPS, list(slots)))
+            self._quarantine.append((QUARANTINE_STEPS, list(slots)))
 
     def end_step(self) -> None:
         """A schedule step ended: its promises lapse, quarantined slots age."""
-        with self._lock:
-            self._promised = 0
-            kept = []
-            for steps, slots in self._quarantine:
-                if steps <= 1:
-                    self._free.extend(slots)
-                else:
-                    kept.append((steps - 1, slots))
-            self._quarantine = kept
+        self._promised = 0
+        kept = []
+        for steps, slots in self._quarantine:
+            if steps <= 1:
+                self._free.extend(slots)
+            else:
+                kept.append((steps - 1, slots))
+        self._quarantine = kept

@@ -295,7 +295,7 @@ class KVTierManager(OffloadingManager):
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         """Every worker copied its part: the blocks leave their slots for the store's thread (in the
         order they were prepared: vLLM passes a set, and a sequence's blocks are best written in order)."""
-        keys = keys if isinstance(keys, (set, frozenset, dict)) else set(keys)
+        keys = set(keys)
         for key in [k for k in self._stores if k in keys]:
             slot = self._stores.pop(key)
             if success:
@@ -629,7 +629,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
         if self._worker is None:
             config, par = self.config, self.config.parallel
             fmt, pages, total_heads = _block_format(config)
-            tp, rank = par.tp_size, par.rank % max(1, par.tp_size)
+            tp, rank = par.tp_size, par.rank % par.tp_size
             if tp > 1 and (pages is not None or total_heads != fmt.heads * tp):
                 raise KVTierError(
                     f"kvtier's prefix store under tensor parallel size {tp} needs the KV heads ({total_heads}) split "
