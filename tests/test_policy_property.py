@@ -11,7 +11,9 @@ exception and with finite logits.
 Bounded for CI: ``max_examples=500`` derandomized examples (a fixed sequence of draws: CI is
 reproducible), a two-layer model, prompts of at most 130 tokens and 3 decode steps: about 12 s of
 draws (18 s with imports) on the 2-core machine, well inside the 60 s budget. At 150 examples the
-sequence missed the fp8 + block-sparsity crash it is meant to find; 500 hit it 5 times.
+sequence missed the fp8 + block-sparsity crash it is meant to find; 500 hit it 5 times. Policies
+whose cold tier is vector codes (``cold_codes="vq"``, which most draws above would refuse) get a
+draw of their own, 60 examples.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from kvtier.policy import (
     SPARSE_METHODS,
     SPARSE_SELECT,
     STORE_BITS,
+    VQ_COLD_BITS,
     WARM_BITS,
 )
 from kvtier.testing import tiny_llama
@@ -173,7 +176,48 @@ def small() -> torch.nn.Module:
     seed=st.integers(0, 2**16),
 )
 def test_every_policy_that_validates_runs(small, kw, attention, batch, split, seed):
-    policy = _build(kw)
+    _run_policy(small, _build(kw), attention, batch, split, seed)
+
+
+@st.composite
+def _vq_kwargs(draw: st.DrawFn, folder: str) -> dict:
+    """A policy of the draw above whose cold tier is vector codes (``cold_codes="vq"``), with the
+    fields a vq tier needs set and its widths drawn."""
+    kw = draw(_policy_kwargs(folder))
+    kw.update(
+        cold="quant",
+        cold_codes="vq",
+        cold_bits=draw(st.sampled_from(VQ_COLD_BITS)),
+        cold_value_bits=draw(st.sampled_from((None, 1, 2, 3, 4))),
+        cold_rotation=True,
+        cold_meta="fp16",
+        sparse=None,
+        offload=None,
+        adaptive=None,
+    )
+    return kw
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    phases=[Phase.explicit, Phase.generate, Phase.shrink],
+    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
+)
+@given(
+    kw=_vq_kwargs(_FOLDER),
+    attention=st.sampled_from(ATTENTION),
+    batch=st.sampled_from((1, 2)),
+    split=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_every_vq_policy_that_validates_runs(small, kw, attention, batch, split, seed):
+    _run_policy(small, _build(kw), attention, batch, split, seed)
+
+
+def _run_policy(small, policy: TierPolicy, attention: str, batch: int, split: float, seed: int) -> None:
+    """Prefill (one chunk or two), then decode, with left padding when ``batch`` is 2: finite logits."""
     n = _prompt_tokens(policy)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 97, (batch, n), generator=gen)

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from .cache.state import LayerState
+from .codecs import VqCodec
+from .codecs.vq import codebook_bytes
 from .stats import OffloadStats, SparseStats, tensor_bytes
 
 __all__ = [
@@ -84,6 +86,9 @@ class MemoryReport:
     per_layer : one dict per layer: ``bytes`` and ``tokens`` by tier, ``dense_fp16_bytes``, and for a
         tiered layer ``widths``: the code widths ``[key bits, value bits]`` of its warm and cold
         tiers (None for a tier without codes; 16 for exact ones), from newest to oldest.
+    shared_bytes : bytes this cache reads that the process holds once for every cache: the vq
+        codebooks (:func:`kvtier.codecs.vq.codebook_bytes`) when a tier holds vector codes; not in
+        ``total_bytes`` (they do not grow with tokens, layers or caches).
     """
 
     total_bytes: int
@@ -94,6 +99,7 @@ class MemoryReport:
     tokens: dict[str, int] = field(default_factory=dict)
     per_tier: dict[str, int] = field(default_factory=dict)
     per_layer: list[dict[str, Any]] = field(default_factory=list)
+    shared_bytes: int = 0
 
     @property
     def ratio(self) -> float:
@@ -148,6 +154,8 @@ class MemoryReport:
             if self.per_tier.get(tier):
                 slots = f"  {self.tokens[tier]:>9} token-slots" if tier in self.tokens else ""
                 lines.append(f"  {tier:<7} {self.per_tier[tier] / mib:9.2f} MiB{slots}")
+        if self.shared_bytes:
+            lines.append(f"  shared once per process (vq codebooks): {self.shared_bytes / 1024:.1f} KiB")
         return "\n".join(lines)
 
 
@@ -166,6 +174,7 @@ def memory_report(cache: Any) -> MemoryReport:
     per_tier = dict.fromkeys(TIERS, 0)
     tokens = dict.fromkeys(TOKEN_TIERS, 0)
     seq = offloaded = 0
+    vector_codes = False
     for idx, layer in enumerate(cache.layers):
         stored = 0
         if isinstance(layer, LayerState):
@@ -193,6 +202,7 @@ def memory_report(cache: Any) -> MemoryReport:
         all_tensors.extend(t for ts in groups.values() for t in ts)
         entry = {"layer": idx, "bytes": nbytes, "tokens": counts, "dense_fp16_bytes": _layer_dense_fp16(layer)}
         if isinstance(layer, LayerState):
+            vector_codes |= any(isinstance(getattr(t, "codec", None), VqCodec) for t in (layer.warm, layer.cold))
             entry["widths"] = {
                 name: None if t is None or not hasattr(t, "codec") else [t.codec.key_bits, t.codec.value_bits]
                 for name, t in (("warm", layer.warm), ("cold", layer.cold))
@@ -208,6 +218,7 @@ def memory_report(cache: Any) -> MemoryReport:
         tokens=tokens,
         per_tier={k: v for k, v in per_tier.items() if v or k not in _OPTIONAL},
         per_layer=per_layer,
+        shared_bytes=codebook_bytes() if vector_codes else 0,
     )
 
 

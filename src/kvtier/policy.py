@@ -34,6 +34,8 @@ WARM_BITS = (2, 3, 4, 6, 8, "fp8")
 COLD_BITS = (2, 3, 4, 6, 8, "fp8")
 COLD_MODES = ("sign", "quant", "evict", "offload")
 COLD_META = ("fp16", "fp8")
+COLD_CODES = ("affine", "vq")
+VQ_COLD_BITS = (2, 3, 4)  # key widths of a vq cold tier (kvtier.codecs.vq.VQ_BITS holds 1 too: values)
 ADAPTIVE_WIDTHS = (1, 2, 3, 4)
 OFFLOAD_BACKENDS = ("cpu", "disk")
 STORE_BITS = (None, 8, 4)
@@ -293,6 +295,10 @@ class AdaptivePolicy:
         sequence and KV head by the attention the latest queries give them, are dropped and their
         bytes buy wider cold codes. A fraction ``j/g`` with ``g <= 8`` (blocks step down ``g`` at
         a time and leave ``j`` blocks); 1 keeps every token.
+    codes : the cold codes' family: ``"affine"`` (scalar, ``meta`` parameters;
+        :class:`~kvtier.codecs.MixedCodec`) or ``"vq"`` (vector codes from the shipped codebooks,
+        :class:`~kvtier.codecs.VqCodec`: measured and stored at each width instead; ``meta`` unused).
+        Widths whose sub-vectors do not tile the model's head dim are left out of the candidates.
     """
 
     bits: float = 2.5
@@ -301,8 +307,10 @@ class AdaptivePolicy:
     warmup_tokens: int = 512
     fit_tokens: int = 2048
     keep: float = 1.0
+    codes: str = "affine"
 
     def __post_init__(self) -> None:
+        _check_choice("codes", self.codes, COLD_CODES)
         _check(
             isinstance(self.bits, (int, float)) and not isinstance(self.bits, bool) and 0.5 <= self.bits <= 16,
             "bits",
@@ -385,6 +393,12 @@ class TierPolicy:
         (``cold_bits``).
     cold_meta : storage of a k-bit cold tier's parameters: ``"fp16"`` (scale and zero) or ``"fp8"``
         (e4m3 step and offset, half the bytes; :class:`~kvtier.codecs.MixedCodec`).
+    cold_codes : ``"affine"`` (scalar codes, ``x = a * code + b``) or ``"vq"``: vector codes from a
+        shipped codebook on rotated coordinates (:class:`~kvtier.codecs.VqCodec`; keys at
+        ``cold_bits`` in 2..4, values at ``cold_value_bits`` in 1..4 or ``cold_bits``). A vq tier is
+        decoded chunk by chunk by attention (dense only: ``sparse`` None), needs ``cold_rotation``,
+        the default ``cold_meta`` and no ``adaptive``; the head dim must be a multiple of the
+        sub-vectors (4 coordinates at 2 bits, 2 at 3-4, 8 for 1-bit values).
     adaptive : an :class:`AdaptivePolicy` (a byte budget; cold widths per layer chosen from
         measured errors, a budget-driven warm window) or None. Needs ``cold="quant"``. An integer
         ``warm_bits`` is then coded like the cold tier (``cold_rotation``, ``cold_meta``).
@@ -428,12 +442,14 @@ class TierPolicy:
     cold_value_bits: int | None = None
     cold_meta: str = "fp16"
     adaptive: AdaptivePolicy | None = None
+    cold_codes: str = "affine"
 
     def __post_init__(self) -> None:
         self._check_sizes()
         self._check_codes()
         self._check_offload()
         self._check_cold_values()
+        self._check_vq()
         self._check_adaptive_and_sparse()
         overrides = self._checked_overrides()
         object.__setattr__(self, "layer_overrides", overrides)  # frozen dataclass: set once, here
@@ -485,6 +501,24 @@ class TierPolicy:
             self.cold_value_bits,
             "None with cold_meta='fp16' unless cold='quant' with integer cold_bits",
         )
+
+    def _check_vq(self) -> None:
+        """Vector cold codes: quantized cold keys of a vq width, rotated, dense, fixed parameters."""
+        _check_choice("cold_codes", self.cold_codes, COLD_CODES)
+        if self.cold_codes != "vq":
+            return
+        _check(self.cold == "quant", "cold_codes", self.cold_codes, "'affine' unless cold='quant'")
+        _check_choice("cold_bits", self.cold_bits, VQ_COLD_BITS)
+        _check(
+            self.cold_value_bits is None or self.cold_value_bits in (1, 2, 3, 4),
+            "cold_value_bits",
+            self.cold_value_bits,
+            "None or one of (1, 2, 3, 4) with cold_codes='vq'",
+        )
+        _check(self.cold_rotation, "cold_rotation", self.cold_rotation, "True with cold_codes='vq'")
+        _check(self.cold_meta == "fp16", "cold_meta", self.cold_meta, "'fp16' with cold_codes='vq' (its own format)")
+        _check(self.sparse is None, "sparse", self.sparse, "None with cold_codes='vq' (attention decodes vq dense)")
+        _check(self.adaptive is None, "adaptive", self.adaptive, "None with cold_codes='vq' (not yet)")
 
     def _check_adaptive_and_sparse(self) -> None:
         """An adaptive budget needs quantized cold tiers and a hot window; sparse selection reads affine codes."""

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codecs import Codec
+from ..codecs import Codec, VqCodec
+from ..codecs.vq import codebook
 from ..quant import planes, rotation
 
 NEG_INF = float("-inf")
@@ -234,6 +235,61 @@ def packed_partial(
     p, lse = _block_softmax(scores, fields["valid"], block_mask, select)
     out = (_weighted_codes(p, vc, codec.value_bits, va, dim) + _per_group(p, vb, dim)).sum(2)
     return Partial(out @ r.T if r is not None else out, lse)
+
+
+def reads_in_place(codec: Codec) -> bool:
+    """Whether :func:`packed_partial` or :func:`vq_partial` reads this codec's tier in place (else
+    only :func:`chunked_partial` decodes it)."""
+    return codec.AFFINE is not None or isinstance(codec, VqCodec)
+
+
+def _subspace_index(idx: torch.Tensor, centres: int, R: int) -> torch.Tensor:
+    """Centre indices ``[B,H,n,T,P]`` -> flat indices into a per-row ``[P * C]`` table, ``[B,H,R,n*T*P]``."""
+    B, H, n, T, P = idx.shape
+    offset = torch.arange(P, device=idx.device) * centres
+    return (idx + offset).reshape(B, H, 1, n * T * P).expand(B, H, R, n * T * P)
+
+
+def vq_partial(
+    rows: torch.Tensor,
+    fields: dict[str, torch.Tensor],
+    codec: VqCodec,
+    dim: int,
+    block_mask: torch.Tensor | None,
+    select=None,
+) -> Partial:
+    """Attention over a vq tier read in place, product-quantization style (the reference of kernels
+    that read vector codes; same semantics as :func:`packed_partial`).
+
+    With rotated rows ``q`` split into ``P = D / d`` sub-vectors and the key codebook ``c [C, d]``:
+    one table ``q_p . c_j`` per row (``[R, P, C]``), then a key's score is
+    ``k_rms * sum_p table[p, idx_p] + q . k_mean`` (lookups, no decoded key). Values: each row's
+    weights ``p_t * v_rms_t`` are summed per sub-space and centre (``[R, P, C]``), expanded once
+    through the value codebook, rotated back, plus ``sum_t p_t v_mean_t`` on every channel.
+    Transients are ``R x n x T x P`` indices and table values (no ``[n, T, D]`` decode).
+    """
+    B, H, R, D = rows.shape
+    n, T = fields["valid"].shape[2:4]
+    r = rotation(dim, rows.device)
+    q = rows @ r
+    kbook = codebook(codec.key_bits, rows.device)  # [C, d]
+    C, d = kbook.shape
+    table = (q.reshape(B, H, R, D // d, d) @ kbook.T).reshape(B, H, R, -1)  # [B,H,R,P*C]
+    kidx = codec._index(fields, "k", codec.key_bits, dim)  # [B,H,n,T,P]
+    unit = table.gather(-1, _subspace_index(kidx, C, R)).reshape(B, H, R, n, T, D // d).sum(-1)
+    mean_scores = q @ fields["k_mean"].float().squeeze(3).transpose(-1, -2)  # [B,H,R,n]
+    scores = unit * fields["k_rms"].float().unsqueeze(2) + mean_scores.unsqueeze(-1)  # [B,H,R,n,T]
+    p, lse = _block_softmax(scores.permute(0, 1, 3, 2, 4), fields["valid"], block_mask, select)
+    p = p.permute(0, 1, 3, 2, 4)  # [B,H,R,n,T]
+    vbook = codebook(codec.value_bits, rows.device)
+    C, d = vbook.shape
+    vidx = codec._index(fields, "v", codec.value_bits, dim)
+    weight = (p * fields["v_rms"].float().unsqueeze(2)).unsqueeze(-1).expand(B, H, R, n, T, D // d)
+    acc = rows.new_zeros(B, H, R, (D // d) * C)
+    acc.scatter_add_(-1, _subspace_index(vidx, C, R), weight.reshape(B, H, R, -1))
+    out = (acc.reshape(B, H, R, D // d, C) @ vbook).reshape(B, H, R, D) @ r.T
+    out = out + (p * fields["v_mean"].float().unsqueeze(2)).sum((3, 4)).unsqueeze(-1)
+    return Partial(out, lse)
 
 
 def _flash_chunks(rows, fields, codec, dim: int, step: int, flash, dtype: torch.dtype = torch.float32) -> Partial:

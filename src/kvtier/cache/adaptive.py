@@ -45,7 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codecs import META_DTYPES, MixedCodec, make_codecs, storage_dtype, value_group
+from ..codecs import META_DTYPES, MixedCodec, VqCodec, make_codecs, storage_dtype, value_group
+from ..codecs.vq import SUBVECTOR, code_bytes_per_token
 from ..errors import BudgetWarning
 from ..policy import TierPolicy
 from ..quant import packed_size, quantize_ab, rotation
@@ -59,10 +60,12 @@ class LayerErrors:
     widths : candidate widths.
     meta : parameter format (a key of :data:`kvtier.codecs.META_DTYPES`).
     heads, dim, group : KV heads, head dim, value group size.
+    codes : the codes measured, ``"affine"`` (``quantize_ab`` with ``meta`` parameters, clipped:
+        :class:`~kvtier.codecs.MixedCodec`'s) or ``"vq"`` (:class:`~kvtier.codecs.VqCodec`'s).
     """
 
-    def __init__(self, widths: tuple[int, ...], meta: str, heads: int, dim: int, group: int):
-        self.widths, self.meta, self.dim, self.group = widths, meta, dim, group
+    def __init__(self, widths: tuple[int, ...], meta: str, heads: int, dim: int, group: int, codes: str = "affine"):
+        self.widths, self.meta, self.dim, self.group, self.codes = widths, meta, dim, group, codes
         self.key_err = {w: torch.zeros(heads, dim, dtype=torch.float64) for w in widths}  # [H, D]
         self.value_err = {w: torch.zeros(heads, dtype=torch.float64) for w in widths}  # [H]
         self.v_sum = torch.zeros(heads, dim, dtype=torch.float64)
@@ -103,32 +106,42 @@ class LayerErrors:
         if self.frozen is not None:
             return
         B, H, n, T, D = k.shape
-        G = self.group
         r = rotation(D, k.device)
         kr, vr = k.float() @ r, v.float() @ r
         tv = valid.unsqueeze(-1)  # [B,1,n,T,1]
         w_tok = tv.expand(B, H, n, T, 1).float()
-        dt = META_DTYPES[self.meta]
-        for w in self.widths:
-            q, a, b = quantize_ab(kr, w, dim=3, valid=tv, dtype=dt, clip=True)
-            err = (q.float() * a.float() + b.float() - kr) ** 2 * w_tok
-            self.key_err[w] += err.sum((0, 2, 3)).double().cpu()
-            vg = vr.reshape(B, H, n, T, D // G, G)
-            q, a, b = quantize_ab(vg, w, dim=5, valid=tv.unsqueeze(-1), dtype=dt, clip=True)
-            err = ((q.float() * a.float() + b.float() - vg) ** 2).reshape(B, H, n, T, D) * w_tok
-            self.value_err[w] += err.sum((0, 2, 3, 4)).double().cpu()
+        coded = {w: self._coded(k, v, kr, vr, valid, w) for w in self.widths}
+        for w, (kh, vh) in coded.items():
+            self.key_err[w] += ((kh - kr) ** 2 * w_tok).sum((0, 2, 3)).double().cpu()
+            self.value_err[w] += ((vh - vr) ** 2 * w_tok).sum((0, 2, 3, 4)).double().cpu()
         if self.queries is not None:
-            self._output_errors(kr, vr, valid)
+            self._output_errors(kr, vr, valid, coded)
         self.v_sum += (vr * w_tok).sum((0, 2, 3)).double().cpu()
         self.v_sq += ((vr**2) * w_tok).sum((0, 2, 3, 4)).double().cpu()
         self.tokens += int(valid.sum()) * 1
 
-    @torch.no_grad()
-    def _output_errors(self, kr: torch.Tensor, vr: torch.Tensor, valid: torch.Tensor) -> None:
-        """Attention-output errors of the stored queries over each block (rotated ``kr, vr [B,H,n,T,D]``)."""
-        assert self.queries is not None
+    def _coded(self, k, v, kr, vr, valid, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks ``k, v`` (as given) and ``kr, vr`` (rotated, fp32 ``[B,H,n,T,D]``) coded at width
+        ``w`` and decoded, in rotated coordinates: what the cold tier would hold."""
         B, H, n, T, D = kr.shape
         G = self.group
+        tv = valid.unsqueeze(-1)
+        if self.codes == "vq":
+            codec = VqCodec(w, w, G)
+            f = codec.encode(k, v, valid)
+            return codec.stored_keys(f, D), codec.decode_values(f, D, torch.float32) @ rotation(D, k.device)
+        dt = META_DTYPES[self.meta]
+        q, a, b = quantize_ab(kr, w, dim=3, valid=tv, dtype=dt, clip=True)
+        kh = q.float() * a.float() + b.float()
+        vg = vr.reshape(B, H, n, T, D // G, G)
+        q, a, b = quantize_ab(vg, w, dim=5, valid=tv.unsqueeze(-1), dtype=dt, clip=True)
+        return kh, (q.float() * a.float() + b.float()).reshape(B, H, n, T, D)
+
+    @torch.no_grad()
+    def _output_errors(self, kr: torch.Tensor, vr: torch.Tensor, valid: torch.Tensor, coded: dict) -> None:
+        """Attention-output errors of the stored queries over each block (rotated ``kr, vr [B,H,n,T,D]``;
+        ``coded``: width -> the blocks coded at it, :meth:`_coded`)."""
+        assert self.queries is not None
         q = self.queries.to(kr.device)[None, :, None]  # [1,H,1,R,D]
         mask = valid[:, :, :, None, :]  # [B,1,n,1,T]
         if not bool(valid.any()):
@@ -141,15 +154,8 @@ class LayerErrors:
 
         o = attend(kr, vr)
         self.out_energy += float((o**2).sum())
-        dt = META_DTYPES[self.meta]
-        tv = valid.unsqueeze(-1)
-        for w in self.widths:
-            qk, a, b = quantize_ab(kr, w, dim=3, valid=tv, dtype=dt, clip=True)
-            kh = qk.float() * a.float() + b.float()
+        for w, (kh, vh) in coded.items():
             self.out_err["k"][w] += float(((attend(kh, vr) - o) ** 2).sum())
-            vg = vr.reshape(B, H, n, T, D // G, G)
-            qv, a, b = quantize_ab(vg, w, dim=5, valid=tv.unsqueeze(-1), dtype=dt, clip=True)
-            vh = (qv.float() * a.float() + b.float()).reshape(B, H, n, T, D)
             self.out_err["v"][w] += float(((attend(kr, vh) - o) ** 2).sum())
 
     @torch.no_grad()
@@ -343,7 +349,22 @@ class Budget:
         if self.shape is None:
             self.shape = Shape(batch, heads, dim, self.layers, storage_dtype(self.policy, model_dtype))
         g = value_group(self.policy, dim)
-        self.errors.setdefault(layer_idx, LayerErrors(self.adaptive.widths, self.adaptive.meta, heads, dim, g))
+        if not self.candidates:
+            raise ValueError(
+                f"AdaptivePolicy(codes='vq', widths={self.adaptive.widths}): no width's sub-vectors tile "
+                f"head_dim={dim} ({ {w: SUBVECTOR[w] for w in self.adaptive.widths} }); use codes='affine'"
+            )
+        err = LayerErrors(self.candidates, self.adaptive.meta, heads, dim, g, self.adaptive.codes)
+        self.errors.setdefault(layer_idx, err)
+
+    @property
+    def candidates(self) -> tuple[int, ...]:
+        """The candidate cold widths: the policy's, less (vector codes) those whose sub-vectors do
+        not tile the head dim (known once a layer joined)."""
+        ws = self.adaptive.widths
+        if self.adaptive.codes == "vq" and self.shape is not None:
+            ws = tuple(w for w in ws if self.shape.dim % SUBVECTOR[w] == 0)
+        return ws
 
     @property
     def allocated(self) -> bool:
@@ -385,15 +406,17 @@ class Budget:
         first = self.policy.sink_tokens // self.policy.block_tokens  # blocks the sinks fill wholly
         if seen >= self.adaptive.warmup_tokens and moved_blocks > first:
             return 0
-        return LayerErrors.nbytes(len(self.adaptive.widths), s.heads, s.dim)
+        return LayerErrors.nbytes(len(self.candidates), s.heads, s.dim)
 
-    def cold_codec(self, layer_idx: int) -> MixedCodec:
+    def cold_codec(self, layer_idx: int) -> MixedCodec | VqCodec:
         """The layer's cold codec (allocating first if needed)."""
         if self.widths is None:
             self.allocate()
         assert self.widths is not None and self.shape is not None
-        kb, vb = self.widths.get(layer_idx, (self.adaptive.widths[0],) * 2)
+        kb, vb = self.widths.get(layer_idx, (self.candidates[0],) * 2)
         g = value_group(self.policy, self.shape.dim)
+        if self.adaptive.codes == "vq":
+            return VqCodec(kb, vb, g)
         return MixedCodec(kb, vb, g, rotate=self.policy.cold_rotation, meta=self.adaptive.meta)
 
     # --- sizes ---------------------------------------------------------------------------------
@@ -419,8 +442,11 @@ class Budget:
         assert s is not None
         T = self.policy.block_tokens
         g = value_group(self.policy, s.dim)
-        m = META_DTYPES[self.adaptive.meta].itemsize
-        meta = (2 * m * s.batch * s.heads * s.dim) / T + 2 * m * s.batch * s.heads * (s.dim // g) + s.batch
+        if self.adaptive.codes == "vq":  # fp16 key means per channel and block; fp8 key RMS, value mean, RMS per token
+            meta = (2 * s.batch * s.heads * s.dim) / T + 3 * s.batch * s.heads + s.batch
+        else:
+            m = META_DTYPES[self.adaptive.meta].itemsize
+            meta = (2 * m * s.batch * s.heads * s.dim) / T + 2 * m * s.batch * s.heads * (s.dim // g) + s.batch
         warm, _ = make_codecs(self.policy, s.dim)
         warm_rate = warm.nbytes(s.batch, s.heads, 1, T, s.dim) / T + s.batch
         return meta * s.layers, warm_rate * s.layers
@@ -429,7 +455,9 @@ class Budget:
         """Code bytes per token of one side of one layer at each candidate width."""
         s = self.shape
         assert s is not None
-        return {w: float(s.batch * s.heads * packed_size(s.dim, w)) for w in self.adaptive.widths}
+        if self.adaptive.codes == "vq":
+            return {w: float(s.batch * s.heads * code_bytes_per_token(w, s.dim)) for w in self.candidates}
+        return {w: float(s.batch * s.heads * packed_size(s.dim, w)) for w in self.candidates}
 
     def code_budget(self) -> float:
         """Code bytes per kept cold token slot, all layers, that ``bits`` leaves at ``fit_tokens``
@@ -451,7 +479,7 @@ class Budget:
         if self.widths is not None:
             return self.widths
         budget = self.code_budget()
-        self.widths = allocate(self.errors, self.adaptive.widths, self.code_bytes(), budget)
+        self.widths = allocate(self.errors, self.candidates, self.code_bytes(), budget)
         for err in self.errors.values():  # measuring is over: its tensors go
             err.freeze()
         floor = self.floor_bits()
@@ -473,7 +501,7 @@ class Budget:
         fit = self.adaptive.fit_tokens
         wait = (self.adaptive.keep_blocks[1] - 1) * self.policy.block_tokens
         meta_rate, warm_rate = self._fixed_rates()
-        narrow = 2 * self.code_bytes()[self.adaptive.widths[0]] * self.layers
+        narrow = 2 * self.code_bytes()[self.candidates[0]] * self.layers
         slots = max(0.0, (fit - self.policy.hot_tokens - wait) * self.keep)
         held = self.exact_bytes() + wait * warm_rate + slots * (narrow + meta_rate)
         return held / (2 * s.batch * s.heads * s.dim * fit * s.layers) * 8
@@ -485,7 +513,7 @@ class Budget:
         candidates, times ``keep``."""
         meta_rate, warm_rate = self._fixed_rates()
         cb = self.code_bytes()
-        lo, hi = 2 * cb[self.adaptive.widths[0]] * self.layers, 2 * cb[self.adaptive.widths[-1]] * self.layers
+        lo, hi = 2 * cb[self.candidates[0]] * self.layers, 2 * cb[self.candidates[-1]] * self.layers
         return (min(max(self.code_budget(), lo), hi) + meta_rate) * self.keep, warm_rate
 
     def rates(self) -> tuple[float, float]:
@@ -496,7 +524,7 @@ class Budget:
             meta_rate, warm_rate = self._fixed_rates()
             cb = self.code_bytes()
             codes = sum(cb[k] + cb[v] for k, v in self.widths.values())
-            codes += (self.layers - len(self.widths)) * 2 * cb[self.adaptive.widths[0]]
+            codes += (self.layers - len(self.widths)) * 2 * cb[self.candidates[0]]
             self._rates = ((codes + meta_rate) * self.keep, warm_rate, 0.0)
         return self._rates[0], self._rates[1]
 

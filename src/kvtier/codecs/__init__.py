@@ -2,7 +2,8 @@
 
 Owns each block format's layout and constants: :mod:`.base` (the codec interface, the affine rule
 ``x = a * code + b`` and :data:`~.base.AFFINE_MODES`, the parameter range check), one module per
-codec (:mod:`.kbit`, :mod:`.sign`, :mod:`.mixed`, :mod:`.fp8`, and the vLLM page format
+codec (:mod:`.kbit`, :mod:`.sign`, :mod:`.mixed`, :mod:`.fp8`, :mod:`.vq` (vector codes and their
+shipped codebooks), and the vLLM page format
 :mod:`.pages`: layout, encode, decode), :mod:`.registry` (what a policy
 stores: :func:`~.registry.make_codecs`, the exact dtype, the value group) and :mod:`.constants` (the
 constants C++ reads, written into the generated ``codec_constants.h`` when a kernel is built; no
@@ -20,6 +21,7 @@ from .kbit import KBitCodec
 from .mixed import META_DTYPES, MixedCodec
 from .registry import Codec, make_codecs, storage_dtype, value_group
 from .sign import SignCodec
+from .vq import VqCodec
 
 __all__ = [
     "AFFINE_MODES",
@@ -33,6 +35,7 @@ __all__ = [
     "KBitCodec",
     "MixedCodec",
     "SignCodec",
+    "VqCodec",
     "affine_ab",
     "check_params",
     "dequantize_fp8",

@@ -14,8 +14,9 @@ from .fp8 import Fp8Codec
 from .kbit import KBitCodec
 from .mixed import MixedCodec
 from .sign import SignCodec
+from .vq import VqCodec
 
-Codec = KBitCodec | SignCodec | Fp8Codec | MixedCodec
+Codec = KBitCodec | SignCodec | Fp8Codec | MixedCodec | VqCodec
 
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -60,6 +61,11 @@ def make_codecs(policy: TierPolicy, head_dim: int) -> tuple[Codec, Codec | None]
         return warm, None
     if policy.cold == "sign":
         return warm, SignCodec(g, rotate=policy.cold_rotation)
+    if policy.cold_codes == "vq":
+        vb = policy.cold_bits if policy.cold_value_bits is None else policy.cold_value_bits
+        cold = VqCodec(policy.cold_bits, vb, g)
+        cold.check_dim(head_dim)
+        return warm, cold
     if policy.cold_value_bits is not None or policy.cold_meta != "fp16":
         vb = policy.cold_bits if policy.cold_value_bits is None else policy.cold_value_bits
         return warm, MixedCodec(policy.cold_bits, vb, g, rotate=policy.cold_rotation, meta=policy.cold_meta)

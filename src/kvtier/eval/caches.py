@@ -93,12 +93,14 @@ def cache_spec(name: str | TierPolicy) -> CacheSpec:
                     policy_fields["sink_tokens"] = int(value)
                 elif key in ("keep", "fit_tokens", "warmup_tokens"):
                     fields[key] = float(value) if key == "keep" else int(value)
+                elif key == "codes":
+                    fields[key] = value
                 else:
                     raise ValueError(key)
         except ValueError:
             raise ValueError(
                 f"cache {name!r} is not allowed: expected adaptive@<bits>[:keep=<f>][:fit_tokens=<n>]"
-                "[:warmup_tokens=<n>][:sinks=<n>], e.g. adaptive@2.5 or adaptive@2.5:keep=0.5"
+                "[:warmup_tokens=<n>][:sinks=<n>][:codes=vq], e.g. adaptive@2.5 or adaptive@2.5:keep=0.5"
             ) from None
         p = PRESETS["adaptive"][1]()
         assert p.adaptive is not None
@@ -109,6 +111,14 @@ def cache_spec(name: str | TierPolicy) -> CacheSpec:
         return CacheSpec(name, PRESETS[base][1](), attention=path)
     if base in PRESETS and path == "dense":
         return CacheSpec(name, PRESETS[base][1]().replace(sparse=None, name=name))
+    if base in PRESETS and path.startswith("vq"):  # e.g. default:vq3/2: its cold tier in vector codes
+        kb, _, vb = path.removeprefix("vq").partition("/")
+        if not (kb.isdigit() and (vb == "" or vb.isdigit())):
+            raise ValueError(
+                f"cache {name!r} is not allowed: expected <preset>:vq<key bits>[/<value bits>], e.g. default:vq3/2"
+            )
+        vq = {"cold_codes": "vq", "cold_bits": int(kb), "cold_value_bits": int(vb) if vb else None}
+        return CacheSpec(name, PRESETS[base][1]().replace(sparse=None, name=name, **vq))
     raise ValueError(f"cache {name!r} is not allowed: expected one of {[*BASELINES, *PRESETS]}")
 
 

@@ -2,7 +2,8 @@
 
 Exact segments: one score GEMM and a safe softmax (:func:`~kvtier.attention.partials.exact_partial`).
 Packed tiers: for few rows (decode) the bit-plane path reads the codes in place
-(:func:`~kvtier.attention.partials.packed_partial`, codecs with affine codes only); for many rows
+(:func:`~kvtier.attention.partials.packed_partial`, codecs with affine codes; vector codes through
+:func:`~kvtier.attention.partials.vq_partial`'s tables); for many rows
 (prefill chunks) and for codecs the kernels cannot read, keys and values are decoded chunk by
 chunk and multiplied in dense GEMMs, or fed to torch's flash op with lse
 (:func:`~kvtier.attention.partials.chunked_partial`). Which of the two is the plan's choice
@@ -16,7 +17,15 @@ from typing import Any
 
 import torch
 
-from ..partials import Partial, chunked_partial, exact_partial, flash_exact_partial, packed_partial
+from ..partials import (
+    Partial,
+    chunked_partial,
+    exact_partial,
+    flash_exact_partial,
+    packed_partial,
+    reads_in_place,
+    vq_partial,
+)
 from ..sparse import gather_fields, select_tokens
 from .base import DENSE, Backend, Selection
 
@@ -71,7 +80,7 @@ class TorchBackend(Backend):
                 kept["keep"], kept["valid"] = keep, torch.isfinite(flat)
                 return keep
 
-        if self.chunked or codec.AFFINE is None:
+        if self.chunked or not reads_in_place(codec):
             part = chunked_partial(
                 rows,
                 fields,
@@ -83,6 +92,8 @@ class TorchBackend(Backend):
                 flash=self.flash,
                 flash_dtype=self.flash_dtype,
             )
+        elif codec.AFFINE is None:  # vector codes
+            part = vq_partial(rows, fields, codec, dim, block_mask, select)
         else:
             part = packed_partial(rows, fields, codec, dim, block_mask, select)
         if kept:  # [B*H, 3]: pairs scored, pairs valued, tokens whose values some row read
