@@ -33,6 +33,7 @@ KERNELS = {
     "offload_cpu": "offload_attend",
     "parallel": "parallel_threads",
     "prefill_cpu": "prefill_attend",
+    "vq_cpu": "vq_attention",
 }
 
 #: Kernels that also need an instruction set beyond AVX-512F: module -> the C++ function saying whether it was built in.

@@ -420,3 +420,47 @@ def test_adaptive_vq_refuses_a_head_dim_no_width_tiles():
     budget = Budget(base.replace(adaptive=ad), layers=2)
     with pytest.raises(ValueError, match=r"no width's sub-vectors tile head_dim=6 .*use codes='affine'$"):
         budget.join(0, 1, 2, 6, torch.float32)
+
+
+@pytest.mark.parametrize("kb, vb", [(3, 3), (2, 1), (4, 2), (1, 4)])
+@pytest.mark.parametrize("D, R", [(16, 1), (24, 6), (64, 5)])
+def test_vq_cpu_kernel_matches_the_torch_tables(kb, vb, D, R):
+    """The C++ kernel (each token's key and value rebuilt in one tile from the codebook) against the
+    fp64 oracle of the stored codes, within the flash-attention rule of each torch reference (the
+    tables and the chunked decode): lengths off the block grid, a row whose tier is all padding,
+    GQA row counts."""
+    from kvtier.attention.partials import chunked_partial, vq_partial
+    from kvtier.kernels import vq_cpu
+
+    if D % vqmod.SUBVECTOR[kb] or D % vqmod.SUBVECTOR[vb]:
+        pytest.skip("head dim not tiled")
+    if not vq_cpu.available():
+        pytest.skip("no C++ compiler")
+    k, v = kv(3, 2, 4, 8, D, seed=D + R)
+    valid = torch.ones(3, 1, 4, 8, dtype=torch.bool)
+    valid[:, :, -1, 5:] = False
+    valid[1] = False  # row 1: nothing valid in this tier
+    valid[2, :, 0, :3] = False  # left padding
+    codec = VqCodec(kb, vb, D)
+    f = codec.encode(k, v, valid)
+    f["valid"] = valid
+    rows = torch.randn(3, 2, R, D, generator=torch.Generator().manual_seed(R)) * 0.3
+    out, lse = vq_cpu.vq_attention(rows, f, codec, D)
+    assert torch.isneginf(lse[1]).all() and torch.equal(out[1], torch.zeros_like(out[1]))
+    # the fp64 oracle: the stored codes decoded and attended in float64
+    r = rotation(D).double()
+    book_k, book_v = vqmod.codebook(kb).double(), vqmod.codebook(vb).double()
+    ik, iv = codec._index(f, "k", kb, D), codec._index(f, "v", vb, D)
+    k64 = book_k[ik].reshape(3, 2, 4, 8, D) * f["k_rms"].double().unsqueeze(-1) + f["k_mean"].double()
+    v64 = (book_v[iv].reshape(3, 2, 4, 8, D) * f["v_rms"].double().unsqueeze(-1)) @ r.T
+    v64 = v64 + f["v_mean"].double().unsqueeze(-1)
+    scores = (rows.double() @ r) @ k64.reshape(3, 2, 32, D).transpose(-1, -2)
+    scores = scores.masked_fill(~valid.reshape(3, 1, 1, 32), float("-inf"))
+    lse64 = torch.logsumexp(scores, -1)
+    out64 = torch.softmax(scores, -1).nan_to_num(0.0) @ v64.reshape(3, 2, 32, D)
+    ok = [0, 2]
+    for other in (vq_partial(rows, f, codec, D, None), chunked_partial(rows, f, codec, D, None, None, chunk_tokens=16)):
+        err_ref = (other.out[ok].double() - out64[ok]).abs().max().item()
+        assert (out[ok].double() - out64[ok]).abs().max().item() <= 2 * err_ref + 1e-5
+        err_ref = (other.lse[ok].double() - lse64[ok]).abs().max().item()
+        assert (lse[ok].double() - lse64[ok]).abs().max().item() <= 2 * err_ref + 1e-5

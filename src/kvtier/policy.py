@@ -505,6 +505,8 @@ class TierPolicy:
     def _check_vq(self) -> None:
         """Vector cold codes: quantized cold keys of a vq width, rotated, dense, fixed parameters."""
         _check_choice("cold_codes", self.cold_codes, COLD_CODES)
+        if self.adaptive is not None and getattr(self.adaptive, "codes", "affine") == "vq":
+            _check(self.sparse is None, "sparse", self.sparse, "None with AdaptivePolicy(codes='vq') (dense attention)")
         if self.cold_codes != "vq":
             return
         _check(self.cold == "quant", "cold_codes", self.cold_codes, "'affine' unless cold='quant'")

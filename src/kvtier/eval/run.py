@@ -242,11 +242,11 @@ class PeakRSS:
 
 def build_cpu_kernels() -> dict[str, bool]:
     """Compile (or load from torch's extension cache) every C++ CPU kernel now; name -> available."""
-    from ..kernels import cpu, fused_cpu, offload_cpu, parallel, prefill_cpu, sketch_cpu
+    from ..kernels import cpu, fused_cpu, offload_cpu, parallel, prefill_cpu, sketch_cpu, vq_cpu
 
     return {
         m.__name__.rpartition(".")[2]: m.available()
-        for m in (cpu, fused_cpu, offload_cpu, parallel, prefill_cpu, sketch_cpu)
+        for m in (cpu, fused_cpu, offload_cpu, parallel, prefill_cpu, sketch_cpu, vq_cpu)
     }
 
 

@@ -1,5 +1,5 @@
-"""The C++ CPU backend: the per-tier kernel (:mod:`kvtier.kernels.cpu`) and the fused whole-layer
-decode call (:mod:`kvtier.kernels.fused_cpu`).
+"""The C++ CPU backend: the per-tier kernels (:mod:`kvtier.kernels.cpu`; vector codes:
+:mod:`kvtier.kernels.vq_cpu`) and the fused whole-layer decode call (:mod:`kvtier.kernels.fused_cpu`).
 
 :meth:`CpuBackend.tier` reads one packed tier (all blocks, listed blocks, or token selection in
 C++) and returns the kernel's work counts with the partial. :meth:`CpuBackend.layer` attends every
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels import cpu, fused_cpu
+from ...codecs import VqCodec
+from ...kernels import cpu, fused_cpu, vq_cpu
 from ...quant import rotation
 from ..partials import Partial
 from .base import DENSE, Backend, Selection
@@ -37,7 +38,17 @@ class CpuBackend(Backend):
     def __repr__(self) -> str:
         return "CpuBackend()"
 
+    def reads(self, codec) -> bool:
+        """Affine codecs of one width (the per-tier kernel) and vector codes (:mod:`kvtier.kernels.vq_cpu`)."""
+        if isinstance(codec, VqCodec):
+            return vq_cpu.available()
+        return super().reads(codec)
+
     def tier(self, rows: torch.Tensor, fields: dict, codec, dim: int, sel: Selection = DENSE) -> Partial:
+        if isinstance(codec, VqCodec):
+            if sel.kind != "dense":  # policies refuse sparse attention over vq tiers (TierPolicy._check_vq)
+                raise ValueError(f"the vq kernel attends densely; got a {sel.kind!r} selection")
+            return Partial(*vq_cpu.vq_attention(rows, fields, codec, dim))
         ka, kb, va, vb, kc, vc = codec.affine(fields)
         r = rotation(dim, rows.device) if codec.rotate else None
         q = rows @ r if r is not None else rows
