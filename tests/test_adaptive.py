@@ -130,7 +130,7 @@ def test_fused_kernel_reads_mixed_widths(kb, vb, meta, group, rotate):
     rows = torch.randn(B, H, R, D) * 0.3
     hk, hv = torch.randn(B, H, 5, D), torch.randn(B, H, 5, D)
     allowed = torch.ones(1, 1, 5, dtype=torch.bool)
-    out, _ = CpuBackend().layer(rows, [(hk, hv, allowed)], [(f, codec, 0)])
+    out, _, _ = CpuBackend().layer(rows, [(hk, hv, allowed)], [(f, codec, 0)])
     # float64 oracle from the decoded tier; fp32 torch reference on the packed codes
     kd, vd = codec.decode(f, D, torch.float64)
     kall = torch.cat([hk.double(), kd.reshape(B, H, n * T, D)], 2)

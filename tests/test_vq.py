@@ -258,18 +258,24 @@ def _stream(model, cache, ids, chunk, mask=None):
 def test_vq_cache_close_to_dynamic_and_paths_agree(model):
     from transformers import DynamicCache
 
+    from kvtier.attention import plan as plan_mod
+
     ids = torch.randint(3, 97, (2, 83), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :6] = 0  # left padding in row 1
     full = _stream(model, DynamicCache(config=model.config), ids, 7, mask)
-    out = {}
+    out, caches = {}, {}
     for name, policy in (("vq3", SMALL), ("vq2", SMALL.replace(cold_bits=2))):
         for att in ("fast", "per-tier", "torch", "reference"):  # torch: decode reads the vq tier in place
             with kvtier.enable(model):
                 cache = kvtier.TieredCache(model.config, policy, attention=att)
                 out[name, att] = _stream(model, cache, ids, 7, mask)
+                caches[name, att] = cache
         cold = cache.layers[1].cold
         assert isinstance(cold.codec, VqCodec) and cold.nblocks >= 6  # the tokens are in the vq tier
+    layer = caches["vq3", "fast"].layers[1]
+    step = torch.randn(2, 4, 1, 16)
+    assert plan_mod.plan_for(layer, step, None, None).chunks[0].fused  # decode: fused call + the vq kernel
     for name in ("vq3", "vq2"):
         for att in ("per-tier", "torch", "reference"):  # every path reads the same codes
             assert (out[name, att] - out[name, "fast"]).abs().max() < 1e-4
@@ -298,11 +304,12 @@ def test_vq_plan_equals_memory_report(model, seq):
 @pytest.mark.parametrize("kb, vb", [(3, 3), (2, 1)])
 @pytest.mark.parametrize("D", [16, 24])
 @pytest.mark.parametrize("q", [1, 5])
-@pytest.mark.parametrize("force", ["torch", "cpu"])
+@pytest.mark.parametrize("force", ["torch", "cpu", "fused"])
 def test_vq_tier_attention_matches_fp64_reference(force, kb, vb, D, q):
     """Sinks + vq cold + 2-bit warm + hot, batch 2 left-padded (row 1's cold tier partly padding),
     GQA 3, lengths off the block grid. ``torch`` reads the vq tier in place (vq_partial's tables);
-    ``cpu`` runs the affine tiers in C++ and decodes the vq tier chunk by chunk. Both within the
+    ``cpu`` runs every packed tier in C++ (the vq one through kernels/vq_cpu); ``fused`` the exact
+    and affine segments in the fused layer call, the vq tier beside it, merged. Each within the
     flash-attention rule of the fp64 reference: ``err <= 2 * err(fp32 reference) + 1e-5``."""
     from builders import POLICIES as SHARED
     from builders import build_layer, mask_for
@@ -321,6 +328,10 @@ def test_vq_tier_attention_matches_fp64_reference(force, kb, vb, D, q):
     assert isinstance(layer.cold.codec, VqCodec) and layer.cold.nblocks >= 6
     query = torch.randn(2, 6, q, D, generator=torch.Generator().manual_seed(q))
     mask = mask_for(valid, q)
+    plan = plan_mod.plan_for(layer, query, mask, force)
+    assert all(c.fused for c in plan.chunks) == (force == "fused")
+    if force != "torch":
+        assert all(c.packed.reads(layer.cold.codec) for c in plan.chunks)  # the vq kernel
     fast = tiered_attention(layer, query, mask, 0.3, force=force)
     ref32 = reference_attention(layer, query, mask, 0.3)
     ref64 = reference_attention(layer, query.double(), mask, 0.3)

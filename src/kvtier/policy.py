@@ -396,9 +396,10 @@ class TierPolicy:
     cold_codes : ``"affine"`` (scalar codes, ``x = a * code + b``) or ``"vq"``: vector codes from a
         shipped codebook on rotated coordinates (:class:`~kvtier.codecs.VqCodec`; keys at
         ``cold_bits`` in 2..4, values at ``cold_value_bits`` in 1..4 or ``cold_bits``). A vq tier is
-        decoded chunk by chunk by attention (dense only: ``sparse`` None), needs ``cold_rotation``,
-        the default ``cold_meta`` and no ``adaptive``; the head dim must be a multiple of the
-        sub-vectors (4 coordinates at 2 bits, 2 at 3-4, 8 for 1-bit values).
+        read in place by its own kernel (dense only: ``sparse`` None), needs ``cold_rotation``,
+        the default ``cold_meta`` and no ``adaptive`` (a budget picks its family itself:
+        ``AdaptivePolicy(codes="vq")``); the head dim must be a multiple of the sub-vectors (4
+        coordinates at 2 bits, 2 at 3-4, 8 for 1-bit values).
     adaptive : an :class:`AdaptivePolicy` (a byte budget; cold widths per layer chosen from
         measured errors, a budget-driven warm window) or None. Needs ``cold="quant"``. An integer
         ``warm_bits`` is then coded like the cold tier (``cold_rotation``, ``cold_meta``).
@@ -519,7 +520,7 @@ class TierPolicy:
         )
         _check(self.cold_rotation, "cold_rotation", self.cold_rotation, "True with cold_codes='vq'")
         _check(self.cold_meta == "fp16", "cold_meta", self.cold_meta, "'fp16' with cold_codes='vq' (its own format)")
-        _check(self.sparse is None, "sparse", self.sparse, "None with cold_codes='vq' (attention decodes vq dense)")
+        _check(self.sparse is None, "sparse", self.sparse, "None with cold_codes='vq' (vq tiers are attended densely)")
         _check(self.adaptive is None, "adaptive", self.adaptive, "None with cold_codes='vq' (not yet)")
 
     def _check_adaptive_and_sparse(self) -> None:

@@ -107,6 +107,14 @@ def _triton_runs_on(device: torch.device) -> bool:
 
 
 _CPU = CpuBackend()
+
+
+def _vq_in_c(codec, device: str) -> bool:
+    """A vq tier on the CPU whose C++ kernel built: the fused layer call takes the layer's other
+    segments and this tier's partial is merged with its result (:func:`kvtier.attention.tiered._fused_attend`)."""
+    return codec.AFFINE is None and torch.device(device).type == "cpu" and _CPU.reads(codec)
+
+
 _TORCH = {chunked: TorchBackend(chunked, DECODE_CHUNK_TOKENS) for chunked in (False, True)}
 
 
@@ -120,7 +128,8 @@ class ChunkPlan:
     exact : backend of the exact segments (sinks, hot).
     packed : backend of packed tiers whose codes the kernels read (``codec.AFFINE`` set).
     other : backend of the other packed tiers (torch, chunk-wise decoding).
-    fused : the whole layer in one C++ call (:meth:`CpuBackend.layer`).
+    fused : the whole layer in one C++ call (:meth:`CpuBackend.layer`); a vq tier beside it in its
+        own C++ call, merged by log-sum-exp.
     sketch_kernel : offloaded layers score their key sketches in C++.
     offload_kernel : an offloaded layer's cold tier takes the C++ two-level path (select and attend
         in :mod:`kvtier.kernels.offload_cpu`): few rows on the CPU (``sketch_kernel``), exact
@@ -285,7 +294,8 @@ def _build(
     policy_sparse = layer.policy.sparse
     tiers = [t for t in (layer.cold, layer.warm) if t is not None]
     offloaded = layer.offloaded
-    affine = all(t.codec.AFFINE is not None for t in tiers if not t.is_offloaded)
+    # the fused call reads affine codes; vector codes join it through their own kernel (merged after)
+    affine = all(t.codec.AFFINE is not None or _vq_in_c(t.codec, device) for t in tiers if not t.is_offloaded)
     device = torch.device(device)
     if force is not None:
         check_force(force, device)

@@ -29,9 +29,11 @@ Format of a block ``k, v: [B, H, n, T, D]`` (coordinates ``x @ rotation(D)``):
 
 Parameters are rounded into their formats before the codes are chosen, so the codes absorb the
 rounding. Decoding: keys ``(codebook[idx] * rms + mean) @ rotation.T``, values
-``(codebook[idx] * rms) @ rotation.T + mean``. The codes are not affine
-(``AFFINE = None``): attention decodes a vq tier chunk by chunk (dense only; the kernels that
-read it in place are issue 38's next step).
+``(codebook[idx] * rms) @ rotation.T + mean``. The codes are not affine (``AFFINE = None``):
+attention reads a vq tier in place through :mod:`kvtier.kernels.vq_cpu` (C++, one key and one
+value tile per token) or :func:`kvtier.attention.partials.vq_partial` (torch, per-query tables),
+and decodes it chunk by chunk for long prefill calls; dense only (no sparse selection), no fused
+whole-layer kernel and no Triton kernel yet.
 """
 
 from __future__ import annotations

@@ -79,7 +79,8 @@ class CpuBackend(Backend):
 
         Returns
         -------
-        ``out [B,H,R,D]`` merged, and ``counts`` int64 ``[B*H, 1 + tiers, 3]`` (exact part first).
+        ``out [B,H,R,D]`` merged, ``lse [B,H,R]``, and ``counts`` int64 ``[B*H, 1 + tiers, 3]``
+        (exact part first).
         """
         D = rows.shape[-1]
         args = []
@@ -95,5 +96,4 @@ class CpuBackend(Backend):
                 )
             )
         select = None if sel.kind == "dense" else (sel.method, sel.level, sel.forced_from)
-        out, _, counts = fused_cpu.layer_attention(rows, exact, args, select)
-        return out, counts
+        return fused_cpu.layer_attention(rows, exact, args, select)
