@@ -161,20 +161,31 @@ def small() -> torch.nn.Module:
     return tiny_llama(num_hidden_layers=LAYERS)
 
 
-@settings(
-    max_examples=500,
-    deadline=None,
-    derandomize=True,
-    phases=[Phase.explicit, Phase.generate, Phase.shrink],  # no explain phase: minutes on a failure
-    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
-)
-@given(
-    kw=_policy_kwargs(_FOLDER),
-    attention=st.sampled_from(ATTENTION),
-    batch=st.sampled_from((1, 2)),
-    split=st.floats(0.0, 1.0),
-    seed=st.integers(0, 2**16),
-)
+def _draws(examples: int, kw: st.SearchStrategy):
+    """Derandomized ``examples`` draws of a policy's fields and of how it runs (attention path,
+    batch, prefill split, seed)."""
+
+    def wrap(test):
+        return settings(
+            max_examples=examples,
+            deadline=None,
+            derandomize=True,
+            phases=[Phase.explicit, Phase.generate, Phase.shrink],  # no explain phase: minutes on a failure
+            suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
+        )(
+            given(
+                kw=kw,
+                attention=st.sampled_from(ATTENTION),
+                batch=st.sampled_from((1, 2)),
+                split=st.floats(0.0, 1.0),
+                seed=st.integers(0, 2**16),
+            )(test)
+        )
+
+    return wrap
+
+
+@_draws(500, _policy_kwargs(_FOLDER))
 def test_every_policy_that_validates_runs(small, kw, attention, batch, split, seed):
     _run_policy(small, _build(kw), attention, batch, split, seed)
 
@@ -198,20 +209,7 @@ def _vq_kwargs(draw: st.DrawFn, folder: str) -> dict:
     return kw
 
 
-@settings(
-    max_examples=60,
-    deadline=None,
-    derandomize=True,
-    phases=[Phase.explicit, Phase.generate, Phase.shrink],
-    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
-)
-@given(
-    kw=_vq_kwargs(_FOLDER),
-    attention=st.sampled_from(ATTENTION),
-    batch=st.sampled_from((1, 2)),
-    split=st.floats(0.0, 1.0),
-    seed=st.integers(0, 2**16),
-)
+@_draws(60, _vq_kwargs(_FOLDER))
 def test_every_vq_policy_that_validates_runs(small, kw, attention, batch, split, seed):
     _run_policy(small, _build(kw), attention, batch, split, seed)
 
