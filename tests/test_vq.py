@@ -54,8 +54,14 @@ def test_shipped_codebooks_are_pinned_and_shaped():
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_codebooks_refit_to_the_shipped_ones(bits):
-    """Seeded k-means on N(0, I) reproduces the shipped book (the 8-D 1-bit one too, in ~5 s: left out)."""
-    assert torch.allclose(vqmod.fit_codebook(bits), vqmod.codebook(bits), atol=1e-6, rtol=0)
+    """Seeded k-means on N(0, I) reproduces the shipped book (the 8-D 1-bit one too, in ~5 s: left
+    out): on this machine's torch bit for bit (scripts/fit_vq_codebooks.py prints whether the hash
+    matches); asserted as the same distortion on fresh samples, which holds where another CPU's
+    GEMM rounds a near-tie the other way."""
+    refit, shipped = vqmod.fit_codebook(bits), vqmod.codebook(bits)
+    x = torch.randn(1 << 15, vqmod.SUBVECTOR[bits], generator=torch.Generator().manual_seed(99))
+    mse = [float((b[vqmod.nearest(x, b)] - x).pow(2).mean()) for b in (refit, shipped)]
+    assert abs(mse[0] - mse[1]) <= 0.005 * mse[1], mse
 
 
 @pytest.mark.parametrize("bits", vqmod.VQ_BITS)
