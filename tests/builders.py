@@ -122,3 +122,14 @@ def adaptive_policy(bits: float, **adaptive) -> TierPolicy:
 def token_ids(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
     """Random ids ``[batch, n]`` of the tiny models' plain-text tokens (3..96)."""
     return torch.randint(3, 97, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def stream_logits(model, cache, ids: torch.Tensor, chunk: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits of ``ids [B, N]`` fed through ``cache`` in calls of ``chunk`` tokens (``mask [B, N]``:
+    the attention mask, left padding included, or None), ``[B, N, vocab]``."""
+    logits = []
+    with torch.no_grad():
+        for s in range(0, ids.shape[1], chunk):
+            m = None if mask is None else mask[:, : s + chunk]
+            logits.append(model(ids[:, s : s + chunk], attention_mask=m, cache=cache).logits)
+    return torch.cat(logits, 1)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kvtier
+from builders import stream_logits
 from conftest import ADAPTER_ERROR
 from kvtier import TierPolicy, get_policy
 from kvtier.codecs import FP8, FP8_MAX, Fp8Codec, KBitCodec, make_codecs
@@ -182,26 +183,17 @@ def test_fp8_policy_switch_and_preset():
 SMALL = get_policy("fp8").replace(hot_tokens=8, block_tokens=8, sink_tokens=4, value_group_size=8)
 
 
-def _stream(model, cache, ids, chunk):
-    """Logits of ``ids`` fed through ``cache`` in chunks of ``chunk`` tokens."""
-    logits = []
-    with torch.no_grad():
-        for s in range(0, ids.shape[1], chunk):
-            logits.append(model(ids[:, s : s + chunk], cache=cache).logits)
-    return torch.cat(logits, 1)
-
-
 def test_fp8_cache_close_to_dynamic_and_paths_agree(model):
     from transformers import DynamicCache
 
     ids = torch.randint(3, 97, (2, 77), generator=torch.Generator().manual_seed(0))
-    full = _stream(model, DynamicCache(config=model.config), ids, 7)
+    full = stream_logits(model, DynamicCache(config=model.config), ids, 7)
     out = {}
     for name, policy in (("fp8", SMALL), ("int4", SMALL.replace(warm_bits=4)), ("int8", SMALL.replace(warm_bits=8))):
         for att in ("fast", "per-tier", "reference"):
             with kvtier.enable(model):
                 cache = kvtier.TieredCache(model.config, policy, attention=att)
-                out[name, att] = _stream(model, cache, ids, 7)
+                out[name, att] = stream_logits(model, cache, ids, 7)
         assert cache.layers[1].warm.nblocks >= 7  # the tokens are in the warm tier
     for att in ("per-tier", "reference"):  # the fused kernel is skipped for fp8; every path agrees
         assert (out["fp8", att] - out["fp8", "fast"]).abs().max() < 1e-4
@@ -243,7 +235,7 @@ def test_fp8_plan_equals_memory_report(model, seq, policy):
     ids = torch.randint(3, 97, (2, seq), generator=torch.Generator().manual_seed(seq))
     with kvtier.enable(model):
         cache = kvtier.TieredCache(model.config, p)
-        _stream(model, cache, ids, 100)
+        stream_logits(model, cache, ids, 100)
     report = cache.memory_report()
     planned = estimate(ModelShape("tiny", ["full_attention"] * 4, 2, 16), seq, p, 2, torch.float32)
     assert planned.total_bytes == report.total_bytes
@@ -258,7 +250,7 @@ def test_fp8_block_bounds_are_upper_bounds(model):
     ids = torch.randint(3, 97, (1, 90), generator=torch.Generator().manual_seed(3))
     with kvtier.enable(model):
         cache = kvtier.TieredCache(model.config, SMALL.replace(cold_rotation=True))
-        _stream(model, cache, ids, 30)
+        stream_logits(model, cache, ids, 30)
     tier = cache.layers[2].warm
     rows = torch.randn(1, 2, 3, 16)
     bounds = block_bounds(rows, tier)  # [B,H,R,n]

@@ -5,6 +5,7 @@ bounds, the policy switch, the tiny Llama on every attention path and planner by
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import warnings
 
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 import kvtier
-from kvtier import TierPolicy, get_policy
+from builders import stream_logits
+from kvtier import SparsePolicy, TierPolicy, get_policy
 from kvtier.codecs import KBitCodec, MixedCodec, VqCodec, make_codecs
 from kvtier.codecs import vq as vqmod
 from kvtier.errors import StorageRangeError
@@ -131,7 +133,7 @@ def test_vq_codec_vs_float64_oracle(kb, vb, D, partial):
         z = (xc / rms.double().unsqueeze(-1)).reshape(*xc.shape[:-1], D // d, d)
         book = vqmod.codebook(bits).double()
         dist = (z.unsqueeze(-2) - book).pow(2).sum(-1)  # [..., P, C]
-        idx = codec._index(f, side, bits, D)
+        idx = codec.indices(f, side, D)
         chosen = dist.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
         ok = chosen <= dist.min(-1).values + 1e-4
         assert bool(ok[valid.squeeze(1).unsqueeze(1).expand(B, H, n, T)].all())
@@ -243,6 +245,9 @@ def test_vq_policy_switch_and_refusals():
         VQ.replace(cold_meta="fp8")
     with pytest.raises(ValueError, match="^adaptive=AdaptivePolicy"):
         get_policy("adaptive").replace(cold_codes="vq", cold_meta="fp16")
+    vq_budget = dataclasses.replace(get_policy("adaptive").adaptive, codes="vq")
+    with pytest.raises(ValueError, match=r"^sparse=SparsePolicy\(.*None with AdaptivePolicy\(codes='vq'\)"):
+        get_policy("adaptive").replace(adaptive=vq_budget, sparse=SparsePolicy())
     with pytest.raises(ValueError, match="do not tile head_dim=18"):
         make_codecs(VQ.replace(cold_bits=2), 18)
 
@@ -250,15 +255,6 @@ def test_vq_policy_switch_and_refusals():
 # --- the cache on the tiny Llama ----------------------------------------------------------------
 
 SMALL = VQ.replace(hot_tokens=8, warm_tokens=16, block_tokens=8, sink_tokens=4, value_group_size=8)
-
-
-def _stream(model, cache, ids, chunk, mask=None):
-    logits = []
-    with torch.no_grad():
-        for s in range(0, ids.shape[1], chunk):
-            m = None if mask is None else mask[:, : s + chunk]
-            logits.append(model(ids[:, s : s + chunk], attention_mask=m, cache=cache).logits)
-    return torch.cat(logits, 1)
 
 
 def test_vq_cache_close_to_dynamic_and_paths_agree(model):
@@ -269,13 +265,13 @@ def test_vq_cache_close_to_dynamic_and_paths_agree(model):
     ids = torch.randint(3, 97, (2, 83), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :6] = 0  # left padding in row 1
-    full = _stream(model, DynamicCache(config=model.config), ids, 7, mask)
+    full = stream_logits(model, DynamicCache(config=model.config), ids, 7, mask)
     out, caches = {}, {}
     for name, policy in (("vq3", SMALL), ("vq2", SMALL.replace(cold_bits=2))):
         for att in ("fast", "per-tier", "torch", "reference"):  # torch: decode reads the vq tier in place
             with kvtier.enable(model):
                 cache = kvtier.TieredCache(model.config, policy, attention=att)
-                out[name, att] = _stream(model, cache, ids, 7, mask)
+                out[name, att] = stream_logits(model, cache, ids, 7, mask)
                 caches[name, att] = cache
         cold = cache.layers[1].cold
         assert isinstance(cold.codec, VqCodec) and cold.nblocks >= 6  # the tokens are in the vq tier
@@ -295,7 +291,7 @@ def test_vq_plan_equals_memory_report(model, seq):
     ids = torch.randint(3, 97, (2, seq), generator=torch.Generator().manual_seed(seq))
     with kvtier.enable(model):
         cache = kvtier.TieredCache(model.config, SMALL)
-        _stream(model, cache, ids, 100)
+        stream_logits(model, cache, ids, 100)
     report = cache.memory_report()
     # the codebooks: once per process, beside the cache's bytes (reported by every cache with a vq tier)
     assert report.shared_bytes == vqmod.codebook_bytes() == 14848 and "vq codebooks" in str(report)
@@ -395,7 +391,6 @@ def test_adaptive_budget_with_vq_codes_holds_bits_and_plans_honestly(model, keep
     """``AdaptivePolicy(codes="vq")``: every layer's cold tier is a VqCodec at its allocated widths,
     the cache holds the budget past ``fit_tokens`` (reported bytes), and ``kvtier plan`` prices
     what it holds; the measured distortions fall with the width."""
-    import dataclasses
 
     base = get_policy("adaptive")
     # head dim 16: parameters cost ~1.25 bits per element here (fp16 key means per channel per 16-token
@@ -410,7 +405,7 @@ def test_adaptive_budget_with_vq_codes_holds_bits_and_plans_honestly(model, keep
     with kvtier.enable(model), warnings.catch_warnings():
         warnings.simplefilter("error", kvtier.BudgetWarning)  # the budget is reachable: no warning
         cache = kvtier.TieredCache(model.config, policy)
-        _stream(model, cache, ids, 37, mask)
+        stream_logits(model, cache, ids, 37, mask)
     colds = [layer.cold for layer in cache.layers]
     assert all(isinstance(c.codec, VqCodec) for c in colds) and sum(c.nblocks for c in colds) > 0
     report = cache.memory_report()
@@ -428,8 +423,6 @@ def test_adaptive_budget_with_vq_codes_holds_bits_and_plans_honestly(model, keep
 
 
 def test_adaptive_vq_refuses_a_head_dim_no_width_tiles():
-    import dataclasses
-
     from kvtier.cache.adaptive import Budget
 
     base = get_policy("adaptive")
@@ -467,7 +460,7 @@ def test_vq_cpu_kernel_matches_the_torch_tables(kb, vb, D, R):
     # the fp64 oracle: the stored codes decoded and attended in float64
     r = rotation(D).double()
     book_k, book_v = vqmod.codebook(kb).double(), vqmod.codebook(vb).double()
-    ik, iv = codec._index(f, "k", kb, D), codec._index(f, "v", vb, D)
+    ik, iv = codec.indices(f, "k", D), codec.indices(f, "v", D)
     k64 = book_k[ik].reshape(3, 2, 4, 8, D) * f["k_rms"].double().unsqueeze(-1) + f["k_mean"].double()
     v64 = (book_v[iv].reshape(3, 2, 4, 8, D) * f["v_rms"].double().unsqueeze(-1)) @ r.T
     v64 = v64 + f["v_mean"].double().unsqueeze(-1)

@@ -506,8 +506,6 @@ class TierPolicy:
     def _check_vq(self) -> None:
         """Vector cold codes: quantized cold keys of a vq width, rotated, dense, fixed parameters."""
         _check_choice("cold_codes", self.cold_codes, COLD_CODES)
-        if self.adaptive is not None and getattr(self.adaptive, "codes", "affine") == "vq":
-            _check(self.sparse is None, "sparse", self.sparse, "None with AdaptivePolicy(codes='vq') (dense attention)")
         if self.cold_codes != "vq":
             return
         _check(self.cold == "quant", "cold_codes", self.cold_codes, "'affine' unless cold='quant'")
@@ -537,6 +535,8 @@ class TierPolicy:
             self.adaptive,
             "None unless cold='quant' with a hot window",
         )
+        if self.adaptive is not None and self.adaptive.codes == "vq":
+            _check(self.sparse is None, "sparse", self.sparse, "None with AdaptivePolicy(codes='vq') (dense attention)")
         if self.sparse is not None and self.hot_tokens is not None:
             fp8 = self.warm_bits == "fp8" or (self.cold == "quant" and self.cold_bits == "fp8")
             _check(not fp8, "sparse", self.sparse, "None with an fp8 tier (sparse selection reads affine codes only)")

@@ -275,7 +275,7 @@ def vq_partial(
     kbook = codebook(codec.key_bits, rows.device)  # [C, d]
     C, d = kbook.shape
     table = (q.reshape(B, H, R, D // d, d) @ kbook.T).reshape(B, H, R, -1)  # [B,H,R,P*C]
-    kidx = codec._index(fields, "k", codec.key_bits, dim)  # [B,H,n,T,P]
+    kidx = codec.indices(fields, "k", dim)  # [B,H,n,T,P]
     unit = table.gather(-1, _subspace_index(kidx, C, R)).reshape(B, H, R, n, T, D // d).sum(-1)
     mean_scores = q @ fields["k_mean"].float().squeeze(3).transpose(-1, -2)  # [B,H,R,n]
     scores = unit * fields["k_rms"].float().unsqueeze(2) + mean_scores.unsqueeze(-1)  # [B,H,R,n,T]
@@ -283,7 +283,7 @@ def vq_partial(
     p = p.permute(0, 1, 3, 2, 4)  # [B,H,R,n,T]
     vbook = codebook(codec.value_bits, rows.device)
     C, d = vbook.shape
-    vidx = codec._index(fields, "v", codec.value_bits, dim)
+    vidx = codec.indices(fields, "v", dim)
     weight = (p * fields["v_rms"].float().unsqueeze(2)).unsqueeze(-1).expand(B, H, R, n, T, D // d)
     acc = rows.new_zeros(B, H, R, (D // d) * C)
     acc.scatter_add_(-1, _subspace_index(vidx, C, R), weight.reshape(B, H, R, -1))

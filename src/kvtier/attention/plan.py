@@ -107,14 +107,6 @@ def _triton_runs_on(device: torch.device) -> bool:
 
 
 _CPU = CpuBackend()
-
-
-def _vq_in_c(codec, device: str) -> bool:
-    """A vq tier on the CPU whose C++ kernel built: the fused layer call takes the layer's other
-    segments and this tier's partial is merged with its result (:func:`kvtier.attention.tiered._fused_attend`)."""
-    return codec.AFFINE is None and torch.device(device).type == "cpu" and _CPU.reads(codec)
-
-
 _TORCH = {chunked: TorchBackend(chunked, DECODE_CHUNK_TOKENS) for chunked in (False, True)}
 
 
@@ -294,9 +286,14 @@ def _build(
     policy_sparse = layer.policy.sparse
     tiers = [t for t in (layer.cold, layer.warm) if t is not None]
     offloaded = layer.offloaded
-    # the fused call reads affine codes; vector codes join it through their own kernel (merged after)
-    affine = all(t.codec.AFFINE is not None or _vq_in_c(t.codec, device) for t in tiers if not t.is_offloaded)
     device = torch.device(device)
+    # the fused call reads affine codes; on the CPU a vq tier joins it through its own C++ kernel
+    # (its partial merged with the call's result: kvtier.attention.tiered._fused_attend)
+    affine = all(
+        t.codec.AFFINE is not None or (device.type == "cpu" and _CPU.reads(t.codec))
+        for t in tiers
+        if not t.is_offloaded
+    )
     if force is not None:
         check_force(force, device)
     if force == "reference":

@@ -414,6 +414,11 @@ class Budget:
             self.allocate()
         assert self.widths is not None and self.shape is not None
         kb, vb = self.widths.get(layer_idx, (self.candidates[0],) * 2)
+        return self._codec(kb, vb)
+
+    def _codec(self, kb: int, vb: int) -> MixedCodec | VqCodec:
+        """The cold codec at key / value widths ``kb`` / ``vb`` (the policy's family)."""
+        assert self.shape is not None
         g = value_group(self.policy, self.shape.dim)
         if self.adaptive.codes == "vq":
             return VqCodec(kb, vb, g)
@@ -442,8 +447,9 @@ class Budget:
         assert s is not None
         T = self.policy.block_tokens
         g = value_group(self.policy, s.dim)
-        if self.adaptive.codes == "vq":  # fp16 key means per channel and block; fp8 key RMS, value mean, RMS per token
-            meta = (2 * s.batch * s.heads * s.dim) / T + 3 * s.batch * s.heads + s.batch
+        if self.adaptive.codes == "vq":  # the codec's bytes per token slot, less its codes; validity
+            w = self.candidates[0]
+            meta = self._codec(w, w).nbytes(s.batch, s.heads, 1, T, s.dim) / T - 2 * self.code_bytes()[w] + s.batch
         else:
             m = META_DTYPES[self.adaptive.meta].itemsize
             meta = (2 * m * s.batch * s.heads * s.dim) / T + 2 * m * s.batch * s.heads * (s.dim // g) + s.batch

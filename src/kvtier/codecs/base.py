@@ -25,7 +25,8 @@ CONTRIBUTING.md):
   bounds of the stored keys, Quest's block bounds), both derived from ``AFFINE``.
 
 Owns :data:`AFFINE_MODES`, :func:`affine_ab`, :class:`AffineCodec`, :func:`check_params` and the
-helpers the codec modules share. May import: torch, ``kvtier.errors``.
+helpers the codec modules share (:func:`encode_inputs`, :func:`block_key_bounds`,
+:func:`token_valid`). May import: torch, ``kvtier.errors``, ``kvtier.quant``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 
 from ..errors import StorageRangeError
 from ..quant import rotation
+from ..quant.groups import valid_minmax
 
 #: Bytes of one fp16 parameter.
 FP16_BYTES = 2
@@ -128,6 +130,14 @@ def encode_inputs(
         r = rotation(k.shape[-1], k.device)
         k, v = k.float() @ r, v.float() @ r
     return k, v, token_valid(valid)
+
+
+def block_key_bounds(k: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel ``(lo, hi)`` of ``k [B,H,n,T,D]`` over each block's valid tokens (``valid``
+    broadcastable), ``[B,H,n,1,D]``; ``(0, 0)`` for a block without one."""
+    lo, hi = valid_minmax(k, 3, valid)
+    empty = lo > hi
+    return lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
 
 
 def token_valid(valid: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,8 @@ from typing import ClassVar
 import torch
 
 from ..quant import rotation
-from ..quant.groups import SCALE_ROUND, valid_minmax
-from .base import FP16_BYTES, check_params, encode_inputs
+from ..quant.groups import SCALE_ROUND
+from .base import FP16_BYTES, block_key_bounds, check_params, encode_inputs
 
 #: fp8 e4m3 (OCP "fn": no infinities, max 448), the format of transformers' and vLLM's fp8 KV caches.
 FP8 = torch.float8_e4m3fn
@@ -63,16 +63,8 @@ def key_shift(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     codes erase a channel's whole variation (streamed perplexity +392 % at 4k); codes of the
     centered keys keep it (relative key error 0.0153 -> 0.0004 in layer 0).
     """
-    lo, hi = _key_bounds(k.float(), valid)
+    lo, hi = block_key_bounds(k.float(), valid)
     return ((lo + hi) / 2).clamp(-65504.0, 65504.0).to(torch.float16)
-
-
-def _key_bounds(k: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel ``(lo, hi)`` of ``k [B,H,n,T,D]`` over each block's valid tokens, ``[B,H,n,1,D]``;
-    ``(0, 0)`` for a block without one."""
-    lo, hi = valid_minmax(k, 3, valid)
-    empty = lo > hi
-    return lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
 
 
 def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -144,7 +136,7 @@ class Fp8Codec:
         """Per-channel ``(lo, hi)`` of each block's stored keys, fp32 ``[B,H,n,D]`` (rotated space when
         ``rotate``): the min and max over the block's valid tokens, computed from the codes (nothing
         extra is stored; it reads every key code once). Empty blocks give ``(0, 0)``."""
-        lo, hi = _key_bounds(self._stored_keys(f), f["valid"].unsqueeze(-1))  # valid [B,1,n,T,1]
+        lo, hi = block_key_bounds(self._stored_keys(f), f["valid"].unsqueeze(-1))  # valid [B,1,n,T,1]
         return lo.squeeze(3), hi.squeeze(3)
 
     def nbytes(self, B: int, H: int, n: int, T: int, D: int) -> int:

@@ -61,12 +61,11 @@ def make_codecs(policy: TierPolicy, head_dim: int) -> tuple[Codec, Codec | None]
         return warm, None
     if policy.cold == "sign":
         return warm, SignCodec(g, rotate=policy.cold_rotation)
+    vb = policy.cold_bits if policy.cold_value_bits is None else policy.cold_value_bits
     if policy.cold_codes == "vq":
-        vb = policy.cold_bits if policy.cold_value_bits is None else policy.cold_value_bits
         cold = VqCodec(policy.cold_bits, vb, g)
         cold.check_dim(head_dim)
         return warm, cold
     if policy.cold_value_bits is not None or policy.cold_meta != "fp16":
-        vb = policy.cold_bits if policy.cold_value_bits is None else policy.cold_value_bits
         return warm, MixedCodec(policy.cold_bits, vb, g, rotate=policy.cold_rotation, meta=policy.cold_meta)
     return warm, _group_codec(policy.cold_bits, g, rotate=policy.cold_rotation)

@@ -48,7 +48,7 @@ from typing import ClassVar
 import torch
 
 from ..quant import pack_bits, packed_size, rotation, unpack_bits
-from .base import FP16_BYTES, check_params, token_valid
+from .base import FP16_BYTES, block_key_bounds, check_params, token_valid
 
 #: Sub-vector length ``d`` of each code width (bits per coordinate): a codebook of ``2**(bits * d)``
 #: centres in ``d`` dimensions, at most 256 so that an index is one byte and the encoder's
@@ -140,17 +140,19 @@ def codebook_bytes() -> int:
     return sum(centres(b) * SUBVECTOR[b] * 4 for b in VQ_BITS)
 
 
+def index_widths(bits: int) -> tuple[int, int]:
+    """Packed widths of a width's centre indices (``bits * d`` bits): the low byte's (``*_idx``) and
+    the part above it (``*_hi``; 0 when none, as for every width of :data:`SUBVECTOR` today)."""
+    ib = bits * SUBVECTOR[bits]
+    return min(ib, 8), max(ib - 8, 0)
+
+
 def code_bytes_per_token(bits: int, dim: int) -> int:
     """Bytes of one token's codes on one side (keys or values) at width ``bits`` over ``dim``
     coordinates (the low-byte and high parts of its ``dim / d`` indices, packed)."""
     P = dim // SUBVECTOR[bits]
-    lo_w, hi_w = _split(bits * SUBVECTOR[bits])
+    lo_w, hi_w = index_widths(bits)
     return packed_size(P, lo_w) + (packed_size(P, hi_w) if hi_w else 0)
-
-
-def _split(ib: int) -> tuple[int, int]:
-    """Packed widths of an index of ``ib`` bits: the low byte's and the high part's (0 if none)."""
-    return min(ib, 8), max(ib - 8, 0)
 
 
 def _f8(x: torch.Tensor) -> torch.Tensor:
@@ -167,7 +169,7 @@ class VqCodec:
     key_bits: int
     value_bits: int
     value_group: int  # the interface's field; vq values are normalized per token over the head dim
-    #: the kernels' order of the fields (no kernel reads them yet)
+    #: the fields in the order the kernels take them (:mod:`kvtier.kernels.vq_cpu` reads them by name)
     KERNEL_FIELDS: ClassVar[tuple[str, ...]] = (
         "k_idx",
         "k_hi",
@@ -242,7 +244,7 @@ class VqCodec:
         z = torch.where(tv, xc / rms.float(), torch.zeros_like(xc))
         book = codebook(bits, xc.device)
         idx = nearest(z.reshape(-1, d), book).reshape(*xc.shape[:-1], xc.shape[-1] // d)
-        lo_w, hi_w = _split(bits * d)
+        lo_w, hi_w = index_widths(bits)
         lo = pack_bits((idx & 0xFF).to(torch.uint8), lo_w)
         hi = idx.new_zeros(*idx.shape[:-1], 0, dtype=torch.uint8)  # no bits above the low byte
         if hi_w:
@@ -251,30 +253,33 @@ class VqCodec:
 
     # --- decode -----------------------------------------------------------------------------
 
-    def _index(self, f: dict[str, torch.Tensor], side: str, bits: int, dim: int) -> torch.Tensor:
+    def width(self, side: str) -> int:
+        """The code width of ``side``: ``"k"`` keys, ``"v"`` values."""
+        return self.key_bits if side == "k" else self.value_bits
+
+    def indices(self, f: dict[str, torch.Tensor], side: str, dim: int) -> torch.Tensor:
         """int64 centre indices ``[B, H, n, T, D / d]`` of one side (``"k"`` or ``"v"``)."""
+        bits = self.width(side)
         P = dim // SUBVECTOR[bits]
-        lo_w, hi_w = _split(bits * SUBVECTOR[bits])
+        lo_w, hi_w = index_widths(bits)
         idx = unpack_bits(f[f"{side}_idx"], lo_w, P).long()
         if hi_w:
             idx |= unpack_bits(f[f"{side}_hi"], hi_w, P).long() << 8
         return idx
 
-    def _unit(self, f: dict[str, torch.Tensor], side: str, bits: int, dim: int) -> torch.Tensor:
+    def _unit(self, f: dict[str, torch.Tensor], side: str, dim: int) -> torch.Tensor:
         """The coded unit coordinates ``codebook[idx]``, fp32 ``[B, H, n, T, D]``."""
-        idx = self._index(f, side, bits, dim)
-        return codebook(bits, idx.device)[idx].reshape(*idx.shape[:-1], dim)
+        idx = self.indices(f, side, dim)
+        return codebook(self.width(side), idx.device)[idx].reshape(*idx.shape[:-1], dim)
 
     def stored_keys(self, f: dict[str, torch.Tensor], dim: int) -> torch.Tensor:
         """Keys as stored (rotated coordinates), fp32 ``[B, H, n, T, D]``."""
-        unit = self._unit(f, "k", self.key_bits, dim)
-        return unit * f["k_rms"].float().unsqueeze(-1) + f["k_mean"].float()
+        return self._unit(f, "k", dim) * f["k_rms"].float().unsqueeze(-1) + f["k_mean"].float()
 
     def stored_values(self, f: dict[str, torch.Tensor], dim: int) -> torch.Tensor:
         """The values' coded part as stored (rotated coordinates, their mean not added back), fp32
         ``[B, H, n, T, D]``: ``values = stored_values @ rotation.T + v_mean``."""
-        unit = self._unit(f, "v", self.value_bits, dim)
-        return unit * f["v_rms"].float().unsqueeze(-1)
+        return self._unit(f, "v", dim) * f["v_rms"].float().unsqueeze(-1)
 
     def decode_keys(self, f: dict[str, torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Tensor:
         k = self.stored_keys(f, dim)
@@ -290,13 +295,8 @@ class VqCodec:
     def key_range(self, f: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-channel ``(lo, hi)`` of each block's stored keys over its valid tokens, fp32
         ``[B, H, n, D]`` in rotated coordinates (read from the codes; empty blocks ``(0, 0)``)."""
-        dim = f["k_mean"].shape[-1]
-        k = self.stored_keys(f, dim)
-        valid = f["valid"].unsqueeze(-1)  # [B,1,n,T,1]
-        lo = torch.where(valid, k, torch.full_like(k, float("inf"))).amin(3)
-        hi = torch.where(valid, k, torch.full_like(k, float("-inf"))).amax(3)
-        empty = lo > hi
-        return lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+        lo, hi = block_key_bounds(self.stored_keys(f, f["k_mean"].shape[-1]), f["valid"].unsqueeze(-1))
+        return lo.squeeze(3), hi.squeeze(3)
 
     def nbytes(self, B: int, H: int, n: int, T: int, D: int) -> int:
         codes = code_bytes_per_token(self.key_bits, D) + code_bytes_per_token(self.value_bits, D)

@@ -22,7 +22,7 @@ import functools
 import torch
 
 from ..codecs import VqCodec
-from ..codecs.vq import SUBVECTOR, codebook
+from ..codecs.vq import codebook, index_widths
 from ..quant import planes, rotation
 from . import build
 
@@ -52,12 +52,12 @@ def vq_attention(
     out, mean_out, lse = _module().vq_attention(
         (rows.float() @ r).contiguous(),
         fields["k_idx"].contiguous(),
-        list(planes(kb * SUBVECTOR[kb])),
+        list(planes(index_widths(kb)[0])),
         codebook(kb, rows.device).contiguous(),
         fields["k_mean"].float().squeeze(3).contiguous(),
         fields["k_rms"].float().contiguous(),
         fields["v_idx"].contiguous(),
-        list(planes(vb * SUBVECTOR[vb])),
+        list(planes(index_widths(vb)[0])),
         codebook(vb, rows.device).contiguous(),
         fields["v_rms"].float().contiguous(),
         fields["v_mean"].float().contiguous(),
