@@ -213,11 +213,17 @@ def tier_bytes(fields) -> int:
 
 def reference64(rows, fields, codec, dim, keep=None):
     """fp64 attention over a tier decoded from its stored codes and parameters."""
-    import torch
 
-    from kvtier.codecs import KBitCodec
+    from kvtier.codecs import KBitCodec, VqCodec
     from kvtier.quant import rotation, unpack_bits
 
+    if isinstance(codec, VqCodec):  # codebook coordinates x stored scales, widened to fp64
+        B, H, n, T = fields["k_rms"].shape
+        r = rotation(dim, rows.device).double()
+        k = codec.stored_keys(fields, dim).double().reshape(B, H, n * T, dim) @ r.T
+        v = codec.stored_values(fields, dim).double().reshape(B, H, n * T, dim) @ r.T
+        v = v + fields["v_mean"].double().reshape(B, H, n * T, 1)
+        return _attend64(rows, k, v, fields["valid"].reshape(B, 1, 1, n * T), keep, T)
     name = "k_codes" if isinstance(codec, KBitCodec) else "k_signs"
     B, H, n, T, _ = fields[name].shape
     NG = fields["v_scale"].shape[-1]
@@ -236,7 +242,13 @@ def reference64(rows, fields, codec, dim, keep=None):
     if not isinstance(codec, KBitCodec) and codec.rotate:
         r = rotation(dim, rows.device).double()
         k, v = k @ r.T, v @ r.T
-    allowed = fields["valid"].reshape(B, 1, 1, n * T)
+    return _attend64(rows, k, v, fields["valid"].reshape(B, 1, 1, n * T), keep, T)
+
+
+def _attend64(rows, k, v, allowed, keep, T):
+    """fp64 attention of ``rows`` over ``k, v [B, H, N, D]`` where ``allowed`` (and ``keep``'s blocks)."""
+    import torch
+
     if keep is not None:
         allowed = allowed & keep.repeat_interleave(T, dim=-1)
     scores = (rows.double() @ k.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
@@ -270,11 +282,11 @@ def run_checks(sz: Sizes, device) -> list[dict]:
     import torch
 
     from kvtier import TierPolicy
-    from kvtier.attention.partials import exact_partial, packed_partial
+    from kvtier.attention.partials import exact_partial, packed_partial, vq_partial
     from kvtier.attention.plan import plan_for
     from kvtier.attention.reference import reference_attention
     from kvtier.attention.tiered import tiered_attention
-    from kvtier.codecs import KBitCodec, SignCodec
+    from kvtier.codecs import KBitCodec, SignCodec, VqCodec
     from kvtier.hf.layer import TieredLayer
     from kvtier.kernels import dispatch
 
@@ -302,6 +314,13 @@ def run_checks(sz: Sizes, device) -> list[dict]:
         got = dispatch.gpu_partial(rows, fields, codec, D, blocks, row_mask)
         ref = reference64(rows, fields, codec, D, keep)
         rows_checks.append(check_row(f"csr {codec.name}", got, (p.out, p.lse), ref))
+    # vq tiers (dense): 6-bit indices in two planes (3 bits, 2-D) and 8-bit ones (2 bits 4-D, 1 bit 8-D)
+    for i, (kb, vb) in enumerate(((3, 3), (2, 1))):
+        codec = VqCodec(kb, vb, sz.group)
+        fields = make_tier(codec, B, H, n, T, D, device, pad_tokens=T + T // 2, seed=20 + i)
+        p = vq_partial(rows, fields, codec, D, None)
+        got = dispatch.gpu_partial(rows, fields, codec, D)
+        rows_checks.append(check_row(f"vq {codec.name}", got, (p.out, p.lse), reference64(rows, fields, codec, D)))
     # exact tokens: a strided view of a larger buffer, padding in row 1
     N = n * T
     for dtype in (torch.bfloat16, torch.float16):
@@ -346,7 +365,7 @@ def run_bandwidth(sz: Sizes, device, timer: Timer, peak: float) -> list[dict]:
     import torch
 
     from kvtier.attention.partials import to_rows
-    from kvtier.codecs import KBitCodec, SignCodec
+    from kvtier.codecs import KBitCodec, SignCodec, VqCodec
     from kvtier.kernels import dispatch
     from kvtier.kernels import triton_decode as td
 
@@ -362,8 +381,8 @@ def run_bandwidth(sz: Sizes, device, timer: Timer, peak: float) -> list[dict]:
 
     for H, R in sz.bw_heads:
         rows = to_rows(torch.randn(1, H * R, 1, D, device=device), H, D**-0.5)
-        for codec in (KBitCodec(4, sz.group), KBitCodec(2, sz.group), SignCodec(sz.group)):
-            if R > 1 and codec != KBitCodec(4, sz.group):
+        for codec in (KBitCodec(4, sz.group), KBitCodec(2, sz.group), SignCodec(sz.group), VqCodec(3, 3, sz.group)):
+            if R > 1 and codec not in (KBitCodec(4, sz.group), VqCodec(3, 3, sz.group)):
                 continue
             f = make_tier(codec, 1, H, n, T, D, device)
             add(f"packed {codec.name}", H, R, tier_bytes(f) + rows.numel() * 4, dispatch.gpu_partial, rows, f, codec, D)
@@ -694,7 +713,9 @@ def run_compile_only(sm: int) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from kvtier.codecs.vq import SUBVECTOR, index_widths
     from kvtier.kernels import triton_decode as td
+    from kvtier.quant import planes
 
     target = GPUTarget("cuda", sm, 32)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -728,6 +749,16 @@ def run_compile_only(sm: int) -> list[dict]:
         types = exact | {"K": f"*{dt}", "V": f"*{dt}"}
         variants.append((f"exact {dt}{' mask' if mask else ''}", td._exact_split_kernel, types, consts, 4))
     variants.append(("merge splits", td._merge_splits_kernel, merge, dict(D=D, BLOCK_R=2, BLOCK_D=BD), 4))
+    vq = {a: "*fp32" for a in ("Rows", "KBook", "VBook", "Ones", "F8", "OutPart", "LsePart")} | {"KMean": "*fp16"}
+    vq |= {a: "*u8" for a in ("KI", "KRms", "VI", "VRms", "VMean", "Valid")}
+    vq |= {a: "i32" for a in ("H", "R", "n", "T", "KS", "VS", "num_splits")}
+    for kb, vb, R in ((3, 3, 6), (2, 1, 1)):  # 6-bit indices in two planes, 2-D; 8-bit indices, 4-D and 8-D
+        BR = max(2, td._pow2(R))
+        consts = dict(D=D, KSUB=SUBVECTOR[kb], VSUB=SUBVECTOR[vb], BLOCK_R=BR, BLOCK_D=BD)
+        consts |= td._index_spec("K", planes(index_widths(kb)[0]), D // SUBVECTOR[kb])
+        consts |= td._index_spec("V", planes(index_widths(vb)[0]), D // SUBVECTOR[vb])
+        consts |= {"BLOCK_T": max(2, min(128, td.TILE_ELEMENTS // (BR * BD)))}
+        variants.append((f"vq k{kb}v{vb} R={R}", td._vq_split_kernel, vq, consts, 4))
     variants += _page_variants()
     rows = []
     for name, fn, types, consts, warps in variants:

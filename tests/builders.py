@@ -133,3 +133,23 @@ def stream_logits(model, cache, ids: torch.Tensor, chunk: int, mask: torch.Tenso
             m = None if mask is None else mask[:, : s + chunk]
             logits.append(model(ids[:, s : s + chunk], attention_mask=m, cache=cache).logits)
     return torch.cat(logits, 1)
+
+
+def vq_reference64(rows: torch.Tensor, f: dict, codec, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp64 oracle of attention over a vq tier's stored codes: ``rows [B, H, R, D]`` over the
+    keys and values decoded in float64 from ``f`` (the codec's fields and ``valid [B, 1, n, T]``);
+    ``(out [B, H, R, D], lse [B, H, R])``, zeros and ``-inf`` for a row with nothing valid."""
+    from kvtier.codecs import vq
+    from kvtier.quant import rotation
+
+    B, H, n, T = f["k_rms"].shape
+    r = rotation(dim).double()
+    book_k, book_v = vq.codebook(codec.key_bits).double(), vq.codebook(codec.value_bits).double()
+    ik, iv = codec.indices(f, "k", dim), codec.indices(f, "v", dim)
+    k64 = book_k[ik].reshape(B, H, n, T, dim) * f["k_rms"].double().unsqueeze(-1) + f["k_mean"].double()
+    v64 = (book_v[iv].reshape(B, H, n, T, dim) * f["v_rms"].double().unsqueeze(-1)) @ r.T
+    v64 = v64 + f["v_mean"].double().unsqueeze(-1)
+    scores = (rows.double() @ r) @ k64.reshape(B, H, n * T, dim).transpose(-1, -2)
+    scores = scores.masked_fill(~f["valid"].reshape(B, 1, 1, n * T), float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    return torch.softmax(scores, -1).nan_to_num(0.0) @ v64.reshape(B, H, n * T, dim), lse

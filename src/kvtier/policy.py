@@ -35,6 +35,7 @@ COLD_BITS = (2, 3, 4, 6, 8, "fp8")
 COLD_MODES = ("sign", "quant", "evict", "offload")
 COLD_META = ("fp16", "fp8")
 COLD_CODES = ("affine", "vq")
+ADAPTIVE_CODES = (*COLD_CODES, "affine+vq")  # the last: the allocation picks each layer's family
 VQ_COLD_BITS = (2, 3, 4)  # key widths of a vq cold tier (kvtier.codecs.vq.VQ_BITS holds 1 too: values)
 ADAPTIVE_WIDTHS = (1, 2, 3, 4)
 OFFLOAD_BACKENDS = ("cpu", "disk")
@@ -297,8 +298,11 @@ class AdaptivePolicy:
         a time and leave ``j`` blocks); 1 keeps every token.
     codes : the cold codes' family: ``"affine"`` (scalar, ``meta`` parameters;
         :class:`~kvtier.codecs.MixedCodec`) or ``"vq"`` (vector codes from the shipped codebooks,
-        :class:`~kvtier.codecs.VqCodec`: measured and stored at each width instead; ``meta`` unused).
-        Widths whose sub-vectors do not tile the model's head dim are left out of the candidates.
+        :class:`~kvtier.codecs.VqCodec`: measured and stored at each width instead; ``meta`` unused),
+        or ``"affine+vq"``: both measured, and the allocation picks each layer's family with its
+        widths (the family's parameter bytes priced in; one family per layer, keys and values at
+        their own widths). Vq widths whose sub-vectors do not tile the model's head dim are left out
+        of the candidates.
     """
 
     bits: float = 2.5
@@ -310,7 +314,7 @@ class AdaptivePolicy:
     codes: str = "affine"
 
     def __post_init__(self) -> None:
-        _check_choice("codes", self.codes, COLD_CODES)
+        _check_choice("codes", self.codes, ADAPTIVE_CODES)
         _check(
             isinstance(self.bits, (int, float)) and not isinstance(self.bits, bool) and 0.5 <= self.bits <= 16,
             "bits",
@@ -535,8 +539,13 @@ class TierPolicy:
             self.adaptive,
             "None unless cold='quant' with a hot window",
         )
-        if self.adaptive is not None and self.adaptive.codes == "vq":
-            _check(self.sparse is None, "sparse", self.sparse, "None with AdaptivePolicy(codes='vq') (dense attention)")
+        if self.adaptive is not None and self.adaptive.codes != "affine":
+            _check(
+                self.sparse is None,
+                "sparse",
+                self.sparse,
+                f"None with AdaptivePolicy(codes={self.adaptive.codes!r}) (vq tiers are attended densely)",
+            )
         if self.sparse is not None and self.hot_tokens is not None:
             fp8 = self.warm_bits == "fp8" or (self.cold == "quant" and self.cold_bits == "fp8")
             _check(not fp8, "sparse", self.sparse, "None with an fp8 tier (sparse selection reads affine codes only)")

@@ -2,8 +2,9 @@
 widths per layer (keys and values apart), and the budget-driven warm window.
 
 Owns :class:`LayerErrors` (what one layer measured during the warm-up), :func:`allocate` (the greedy
-rule) and :class:`Budget` (one per cache, shared by its layers: the statistics, the allocation once
-made, and how many warm blocks the budget allows at a length). The layer state machine
+rule; :func:`allocate_families` when the family is chosen too) and :class:`Budget` (one per cache,
+shared by its layers: the statistics, the allocation once made, and how many warm blocks the budget
+allows at a length). The layer state machine
 (:mod:`kvtier.cache.state`) asks the budget for its cold codec and its warm capacity; nothing here
 moves blocks. May import torch, :mod:`kvtier.errors`, :mod:`kvtier.policy`, :mod:`kvtier.quant`,
 :mod:`kvtier.codecs`; never transformers or attention.
@@ -30,6 +31,10 @@ How the allocation works (calibration-free: it measures the text being cached):
 4. From then on a layer keeps as many recent blocks in the warm tier (``warm_bits``) as the budget
    allows at the current length (:meth:`Budget.warm_blocks`); its oldest warm blocks step down to
    the layer's cold widths when the budget is reached.
+   With ``codes="affine+vq"`` both families are measured and :func:`allocate_families` picks each
+   layer's family with its widths: every (family, key width, value width) of a layer costs its codes
+   plus the family's parameters, and the greedy steps along each layer's lower convex hull of
+   (bytes, distortion).
 5. The eviction rung (``keep < 1``): blocks step down ``g`` at a time and only ``keep * g`` blocks'
    worth of their tokens stay, chosen per sequence and KV head by :func:`select_by_attention` (the
    attention mass the queries of the step that demotes them give them, SnapKV-style); the rest are
@@ -62,25 +67,39 @@ class LayerErrors:
     heads, dim, group : KV heads, head dim, value group size.
     codes : the codes measured, ``"affine"`` (``quantize_ab`` with ``meta`` parameters, clipped:
         :class:`~kvtier.codecs.MixedCodec`'s) or ``"vq"`` (:class:`~kvtier.codecs.VqCodec`'s).
+    options : instead of ``widths`` and ``codes``: the ``(codes, width)`` pairs measured (both
+        families for ``AdaptivePolicy(codes="affine+vq")``); :meth:`distortion` then takes the family.
     """
 
-    def __init__(self, widths: tuple[int, ...], meta: str, heads: int, dim: int, group: int, codes: str = "affine"):
-        self.widths, self.meta, self.dim, self.group, self.codes = widths, meta, dim, group, codes
-        self.key_err = {w: torch.zeros(heads, dim, dtype=torch.float64) for w in widths}  # [H, D]
-        self.value_err = {w: torch.zeros(heads, dtype=torch.float64) for w in widths}  # [H]
+    def __init__(
+        self,
+        widths: tuple[int, ...],
+        meta: str,
+        heads: int,
+        dim: int,
+        group: int,
+        codes: str = "affine",
+        options: tuple[tuple[str, int], ...] | None = None,
+    ):
+        self.options = options if options is not None else tuple((codes, w) for w in widths)
+        self.widths = tuple(sorted({w for _, w in self.options}))
+        self.meta, self.dim, self.group, self.codes = meta, dim, group, codes
+        self.key_err = {o: torch.zeros(heads, dim, dtype=torch.float64) for o in self.options}  # [H, D]
+        self.value_err = {o: torch.zeros(heads, dtype=torch.float64) for o in self.options}  # [H]
         self.v_sum = torch.zeros(heads, dim, dtype=torch.float64)
         self.v_sq = torch.zeros(heads, dtype=torch.float64)
         self.tokens = 0  # valid token rows (per head)
         self.q_sq = torch.zeros(heads, dim, dtype=torch.float64)
         self.q_rows = 0
         self.queries: torch.Tensor | None = None  # this call's latest rows, rotated [H, R, D]
-        self.out_err = {side: {w: 0.0 for w in widths} for side in ("k", "v")}
+        self.out_err = {side: {o: 0.0 for o in self.options} for side in ("k", "v")}
         self.out_energy = 0.0
-        self.frozen: dict[tuple[str, int], float] | None = None  # distortions, once the warm-up ended
+        self.frozen: dict[tuple[str, str, int], float] | None = None  # (side, codes, width): distortions, once frozen
 
     @staticmethod
     def nbytes(widths: int, heads: int, dim: int) -> int:
-        """Bytes of the accumulators of :meth:`tensors` between calls (``widths`` candidate widths)."""
+        """Bytes of the accumulators of :meth:`tensors` between calls (``widths`` candidates: widths,
+        or ``(codes, width)`` options)."""
         return 8 * (widths * heads * dim + widths * heads + 2 * heads * dim + heads)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -96,7 +115,7 @@ class LayerErrors:
         """The warm-up is over: keep the distortions (what :meth:`distortion` reads) as numbers and
         free every measurement tensor (idempotent)."""
         if self.frozen is None:
-            self.frozen = {(side, w): self.distortion(side, w) for side in ("k", "v") for w in self.widths}
+            self.frozen = {(side, *o): self._distortion(side, o) for side in ("k", "v") for o in self.options}
             self.key_err, self.value_err, self.queries = {}, {}, None
             self.v_sum = self.v_sq = self.q_sq = torch.zeros(0, dtype=torch.float64)
 
@@ -110,23 +129,23 @@ class LayerErrors:
         kr, vr = k.float() @ r, v.float() @ r
         tv = valid.unsqueeze(-1)  # [B,1,n,T,1]
         w_tok = tv.expand(B, H, n, T, 1).float()
-        coded = {w: self._coded(k, v, kr, vr, valid, w) for w in self.widths}
-        for w, (kh, vh) in coded.items():
-            self.key_err[w] += ((kh - kr) ** 2 * w_tok).sum((0, 2, 3)).double().cpu()
-            self.value_err[w] += ((vh - vr) ** 2 * w_tok).sum((0, 2, 3, 4)).double().cpu()
+        coded = {o: self._coded(k, v, kr, vr, valid, *o) for o in self.options}
+        for o, (kh, vh) in coded.items():
+            self.key_err[o] += ((kh - kr) ** 2 * w_tok).sum((0, 2, 3)).double().cpu()
+            self.value_err[o] += ((vh - vr) ** 2 * w_tok).sum((0, 2, 3, 4)).double().cpu()
         if self.queries is not None:
             self._output_errors(kr, vr, valid, coded)
         self.v_sum += (vr * w_tok).sum((0, 2, 3)).double().cpu()
         self.v_sq += ((vr**2) * w_tok).sum((0, 2, 3, 4)).double().cpu()
         self.tokens += int(valid.sum()) * 1
 
-    def _coded(self, k, v, kr, vr, valid, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Blocks ``k, v`` (as given) and ``kr, vr`` (rotated, fp32 ``[B,H,n,T,D]``) coded at width
-        ``w`` and decoded, in rotated coordinates: what the cold tier would hold."""
+    def _coded(self, k, v, kr, vr, valid, codes: str, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks ``k, v`` (as given) and ``kr, vr`` (rotated, fp32 ``[B,H,n,T,D]``) coded in the
+        family ``codes`` at width ``w`` and decoded, in rotated coordinates: what the cold tier would hold."""
         B, H, n, T, D = kr.shape
         G = self.group
         tv = valid.unsqueeze(-1)
-        if self.codes == "vq":
+        if codes == "vq":
             codec = VqCodec(w, w, G)
             f = codec.encode(k, v, valid)
             return codec.stored_keys(f, D), codec.decode_values(f, D, torch.float32) @ rotation(D, k.device)
@@ -154,9 +173,9 @@ class LayerErrors:
 
         o = attend(kr, vr)
         self.out_energy += float((o**2).sum())
-        for w, (kh, vh) in coded.items():
-            self.out_err["k"][w] += float(((attend(kh, vr) - o) ** 2).sum())
-            self.out_err["v"][w] += float(((attend(kr, vh) - o) ** 2).sum())
+        for opt, (kh, vh) in coded.items():
+            self.out_err["k"][opt] += float(((attend(kh, vr) - o) ** 2).sum())
+            self.out_err["v"][opt] += float(((attend(kr, vh) - o) ** 2).sum())
 
     @torch.no_grad()
     def observe_queries(self, rows: torch.Tensor, keep: int = 32) -> None:
@@ -170,25 +189,31 @@ class LayerErrors:
         self.q_rows += rows.shape[0] * rows.shape[2]
         self.queries = qr[0, :, -keep:].detach().clone()
 
-    def distortion(self, side: str, width: int) -> float:
+    def distortion(self, side: str, width: int, codes: str | None = None) -> float:
         """Relative distortion of the layer's attention output with ``side`` (``"k"`` or ``"v"``) at
-        ``width`` (see the module doc); 0 before any block was observed."""
+        ``width`` in the family ``codes`` (None: the one measured; see the module doc); 0 before any
+        block was observed."""
+        if codes is None:
+            (codes,) = {c for c, _ in self.options}
         if self.frozen is not None:
-            return self.frozen[(side, width)]
+            return self.frozen[(side, codes, width)]
+        return self._distortion(side, (codes, width))
+
+    def _distortion(self, side: str, option: tuple[str, int]) -> float:
         if self.tokens == 0:
             return 0.0
         if self.out_energy > 0:
-            return self.out_err[side][width] / self.out_energy
+            return self.out_err[side][option] / self.out_energy
         n = float(self.tokens)
         energy = float(self.v_sq.sum()) / n
         if energy <= 0:
             return 0.0
         if side == "v":
-            return float(self.value_err[width].sum()) / n / energy
+            return float(self.value_err[option].sum()) / n / energy
         mean = self.v_sum / n
         var_v = (self.v_sq / n - (mean**2).sum(-1)).clamp_min(0.0)  # [H]
         qe = self.q_sq / self.q_rows if self.q_rows else torch.full_like(self.q_sq, 1.0 / self.dim)
-        score_err = (qe * self.key_err[width] / n).sum(-1)  # [H]
+        score_err = (qe * self.key_err[option] / n).sum(-1)  # [H]
         return float((score_err * var_v).sum()) / energy
 
 
@@ -230,6 +255,78 @@ def allocate(
         spent += code_bytes[widths[i + 1]] - code_bytes[widths[i]]
         state[best] = i + 1
     return {layer: (widths[state[(layer, "k")]], widths[state[(layer, "v")]]) for layer in errors}
+
+
+def allocate_families(
+    errors: dict[int, LayerErrors],
+    options: dict[str, tuple[int, ...]],
+    code_bytes: dict[str, dict[int, float]],
+    meta_bytes: dict[str, float],
+    budget: float,
+) -> dict[int, tuple[str, int, int]]:
+    """Rate-distortion allocation of a code family and (key width, value width) per layer, the
+    family shared by a layer's keys and values (one codec per tier).
+
+    Parameters
+    ----------
+    errors : measured errors per layer index (:meth:`LayerErrors.distortion` by family).
+    options : candidate widths of each family.
+    code_bytes : code bytes per token of one side of one layer, per family and width.
+    meta_bytes : parameter bytes per token of one layer, per family (both sides).
+    budget : code + parameter bytes per token for all layers together.
+
+    Returns
+    -------
+    ``{layer: (codes, key_bits, value_bits)}``. Per layer, every choice costs
+    ``code(key) + code(value) + meta`` and distorts ``d_key + d_value``; the choices on the lower
+    convex hull of (cost, distortion) are the layer's steps. Every layer starts at its cheapest
+    choice (the least distorted among equally cheap ones); the step with the largest distortion drop
+    per byte that fits is taken until none fits (so cheaper steps still happen).
+    """
+    hulls: dict[int, list[tuple[float, float, tuple[str, int, int]]]] = {}
+    for layer, err in errors.items():
+        points = sorted(
+            (
+                code_bytes[f][kw] + code_bytes[f][vw] + meta_bytes[f],
+                err.distortion("k", kw, f) + err.distortion("v", vw, f),
+                (f, kw, vw),
+            )
+            for f, widths in options.items()
+            for kw in widths
+            for vw in widths
+        )
+        hull: list[tuple[float, float, tuple[str, int, int]]] = []
+        for pt in points:
+            if hull and (pt[0] <= hull[-1][0] + 1e-12 or pt[1] >= hull[-1][1]):
+                continue  # no cheaper than the last step, or no less distorted: never a step
+            while len(hull) >= 2 and _turns_up(hull[-2], hull[-1], pt):
+                hull.pop()  # the last step's drop per byte is below the next one's: off the hull
+            hull.append(pt)
+        hulls[layer] = hull
+    at = {layer: 0 for layer in hulls}
+    spent = sum(h[0][0] for h in hulls.values())
+    while True:
+        best, best_gain = None, 0.0
+        for layer, i in at.items():
+            h = hulls[layer]
+            if i + 1 >= len(h):
+                continue
+            cost, drop = h[i + 1][0] - h[i][0], h[i][1] - h[i + 1][1]
+            if spent + cost > budget + 1e-9:
+                continue
+            if drop / cost > best_gain:
+                best, best_gain = layer, drop / cost
+        if best is None:
+            break
+        spent += hulls[best][at[best] + 1][0] - hulls[best][at[best]][0]
+        at[best] += 1
+    return {layer: hulls[layer][i][2] for layer, i in at.items()}
+
+
+def _turns_up(a, b, c) -> bool:
+    """Whether ``b`` lies on or above the segment ``a``-``c`` of (cost, distortion) points (cost
+    ascending): the drop per byte from ``a`` to ``b`` is no larger than from ``b`` to ``c``."""
+    return (a[1] - b[1]) * (c[0] - b[0]) <= (b[1] - c[1]) * (b[0] - a[0])
 
 
 #: Width of the average pooling of the per-token attention mass before the choice (SnapKV's
@@ -338,6 +435,7 @@ class Budget:
         self.layers = layers
         self.errors: dict[int, LayerErrors] = {}
         self.widths: dict[int, tuple[int, int]] | None = None  # the allocation, once made
+        self.families: dict[int, str] = {}  # each allocated layer's code family (codes="affine+vq")
         self.shape: Shape | None = None
         self._rates: tuple[float, float, float] | None = None
         j, g = self.adaptive.keep_blocks
@@ -354,17 +452,33 @@ class Budget:
                 f"AdaptivePolicy(codes='vq', widths={self.adaptive.widths}): no width's sub-vectors tile "
                 f"head_dim={dim} ({ {w: SUBVECTOR[w] for w in self.adaptive.widths} }); use codes='affine'"
             )
-        err = LayerErrors(self.candidates, self.adaptive.meta, heads, dim, g, self.adaptive.codes)
+        options = tuple((f, w) for f, ws in self.family_widths.items() for w in ws) if self.mixed else None
+        err = LayerErrors(self.candidates, self.adaptive.meta, heads, dim, g, self.adaptive.codes, options)
         self.errors.setdefault(layer_idx, err)
 
     @property
+    def mixed(self) -> bool:
+        """Whether the allocation also chooses each layer's code family (``codes="affine+vq"``)."""
+        return "+" in self.adaptive.codes
+
+    @property
+    def family_widths(self) -> dict[str, tuple[int, ...]]:
+        """The candidate cold widths of each code family: the policy's, less (vector codes) those
+        whose sub-vectors do not tile the head dim (known once a layer joined); a family left with
+        none is left out."""
+        out = {}
+        for f in self.adaptive.codes.split("+"):
+            ws = self.adaptive.widths
+            if f == "vq" and self.shape is not None:
+                ws = tuple(w for w in ws if self.shape.dim % SUBVECTOR[w] == 0)
+            if ws:
+                out[f] = ws
+        return out
+
+    @property
     def candidates(self) -> tuple[int, ...]:
-        """The candidate cold widths: the policy's, less (vector codes) those whose sub-vectors do
-        not tile the head dim (known once a layer joined)."""
-        ws = self.adaptive.widths
-        if self.adaptive.codes == "vq" and self.shape is not None:
-            ws = tuple(w for w in ws if self.shape.dim % SUBVECTOR[w] == 0)
-        return ws
+        """The candidate cold widths (of every family)."""
+        return tuple(sorted({w for ws in self.family_widths.values() for w in ws}))
 
     @property
     def allocated(self) -> bool:
@@ -406,21 +520,24 @@ class Budget:
         first = self.policy.sink_tokens // self.policy.block_tokens  # blocks the sinks fill wholly
         if seen >= self.adaptive.warmup_tokens and moved_blocks > first:
             return 0
-        return LayerErrors.nbytes(len(self.candidates), s.heads, s.dim)
+        return LayerErrors.nbytes(sum(len(ws) for ws in self.family_widths.values()), s.heads, s.dim)
 
     def cold_codec(self, layer_idx: int) -> MixedCodec | VqCodec:
         """The layer's cold codec (allocating first if needed)."""
         if self.widths is None:
             self.allocate()
         assert self.widths is not None and self.shape is not None
-        kb, vb = self.widths.get(layer_idx, (self.candidates[0],) * 2)
-        return self._codec(kb, vb)
+        if layer_idx in self.widths:
+            kb, vb = self.widths[layer_idx]
+            return self._codec(kb, vb, self.families.get(layer_idx))
+        return self._codec(*self._cheapest()[1:])
 
-    def _codec(self, kb: int, vb: int) -> MixedCodec | VqCodec:
-        """The cold codec at key / value widths ``kb`` / ``vb`` (the policy's family)."""
+    def _codec(self, kb: int, vb: int, codes: str | None = None) -> MixedCodec | VqCodec:
+        """The cold codec at key / value widths ``kb`` / ``vb`` in the family ``codes`` (None: the
+        policy's one family)."""
         assert self.shape is not None
         g = value_group(self.policy, self.shape.dim)
-        if self.adaptive.codes == "vq":
+        if (codes or self.adaptive.codes) == "vq":
             return VqCodec(kb, vb, g)
         return MixedCodec(kb, vb, g, rotate=self.policy.cold_rotation, meta=self.adaptive.meta)
 
@@ -440,30 +557,52 @@ class Budget:
         assert s is not None
         return self.adaptive.bits / 8 * 2 * s.batch * s.heads * s.dim * tokens * s.layers
 
-    def _fixed_rates(self) -> tuple[float, float]:
-        """Per token slot of a block tier, all layers: the cold tier's metadata + validity bytes, and
-        the warm tier's whole bytes."""
+    def _meta_bytes(self, codes: str) -> float:
+        """Parameter bytes per token slot of one layer's cold tier in the family ``codes`` (both sides)."""
         s = self.shape
         assert s is not None
         T = self.policy.block_tokens
+        if codes == "vq":  # the codec's bytes per token slot, less its codes
+            w = self.family_widths["vq"][0]
+            return self._codec(w, w, "vq").nbytes(s.batch, s.heads, 1, T, s.dim) / T - 2 * self.code_bytes("vq")[w]
+        m = META_DTYPES[self.adaptive.meta].itemsize
         g = value_group(self.policy, s.dim)
-        if self.adaptive.codes == "vq":  # the codec's bytes per token slot, less its codes; validity
-            w = self.candidates[0]
-            meta = self._codec(w, w).nbytes(s.batch, s.heads, 1, T, s.dim) / T - 2 * self.code_bytes()[w] + s.batch
-        else:
-            m = META_DTYPES[self.adaptive.meta].itemsize
-            meta = (2 * m * s.batch * s.heads * s.dim) / T + 2 * m * s.batch * s.heads * (s.dim // g) + s.batch
+        return (2 * m * s.batch * s.heads * s.dim) / T + 2 * m * s.batch * s.heads * (s.dim // g)
+
+    def _fixed_rates(self) -> tuple[float, float]:
+        """Per token slot of a block tier, all layers: the cold tier's metadata (with one family; a
+        mixed allocation prices each layer's family with its widths) + validity bytes, and the warm
+        tier's whole bytes."""
+        s = self.shape
+        assert s is not None
+        T = self.policy.block_tokens
+        meta = (0.0 if self.mixed else self._meta_bytes(self.adaptive.codes)) + s.batch
         warm, _ = make_codecs(self.policy, s.dim)
         warm_rate = warm.nbytes(s.batch, s.heads, 1, T, s.dim) / T + s.batch
         return meta * s.layers, warm_rate * s.layers
 
-    def code_bytes(self) -> dict[int, float]:
-        """Code bytes per token of one side of one layer at each candidate width."""
+    def code_bytes(self, codes: str | None = None) -> dict[int, float]:
+        """Code bytes per token of one side of one layer at each candidate width of the family
+        ``codes`` (None: the policy's one family)."""
         s = self.shape
         assert s is not None
-        if self.adaptive.codes == "vq":
-            return {w: float(s.batch * s.heads * code_bytes_per_token(w, s.dim)) for w in self.candidates}
-        return {w: float(s.batch * s.heads * packed_size(s.dim, w)) for w in self.candidates}
+        codes = codes or self.adaptive.codes
+        if codes == "vq":
+            return {w: float(s.batch * s.heads * code_bytes_per_token(w, s.dim)) for w in self.family_widths["vq"]}
+        return {w: float(s.batch * s.heads * packed_size(s.dim, w)) for w in self.family_widths[codes]}
+
+    def _layer_cost(self, codes: str, kb: int, vb: int) -> float:
+        """Code (and, mixed, parameter) bytes per token slot of one layer's cold tier at these widths."""
+        cb = self.code_bytes(codes)
+        return cb[kb] + cb[vb] + (self._meta_bytes(codes) if self.mixed else 0.0)
+
+    def _cheapest(self) -> tuple[str, int, int]:
+        """The cheapest ``(codes, key bits, value bits)`` of one layer (the narrowest width; mixed: of
+        the family whose narrowest codes and parameters cost least)."""
+        return min(((f, ws[0], ws[0]) for f, ws in self.family_widths.items()), key=lambda c: self._layer_cost(*c))
+
+    def _dearest(self) -> tuple[str, int, int]:
+        return max(((f, ws[-1], ws[-1]) for f, ws in self.family_widths.items()), key=lambda c: self._layer_cost(*c))
 
     def code_budget(self) -> float:
         """Code bytes per kept cold token slot, all layers, that ``bits`` leaves at ``fit_tokens``
@@ -485,7 +624,14 @@ class Budget:
         if self.widths is not None:
             return self.widths
         budget = self.code_budget()
-        self.widths = allocate(self.errors, self.candidates, self.code_bytes(), budget)
+        if self.mixed:
+            fw = self.family_widths
+            cb = {f: self.code_bytes(f) for f in fw}
+            choice = allocate_families(self.errors, fw, cb, {f: self._meta_bytes(f) for f in fw}, budget)
+            self.families = {layer: c[0] for layer, c in choice.items()}
+            self.widths = {layer: (c[1], c[2]) for layer, c in choice.items()}
+        else:
+            self.widths = allocate(self.errors, self.candidates, self.code_bytes(), budget)
         for err in self.errors.values():  # measuring is over: its tensors go
             err.freeze()
         floor = self.floor_bits()
@@ -507,7 +653,7 @@ class Budget:
         fit = self.adaptive.fit_tokens
         wait = (self.adaptive.keep_blocks[1] - 1) * self.policy.block_tokens
         meta_rate, warm_rate = self._fixed_rates()
-        narrow = 2 * self.code_bytes()[self.candidates[0]] * self.layers
+        narrow = self._layer_cost(*self._cheapest()) * self.layers
         slots = max(0.0, (fit - self.policy.hot_tokens - wait) * self.keep)
         held = self.exact_bytes() + wait * warm_rate + slots * (narrow + meta_rate)
         return held / (2 * s.batch * s.heads * s.dim * fit * s.layers) * 8
@@ -518,8 +664,7 @@ class Budget:
         (which the greedy rule spends to within one width step), bounded by the narrowest and widest
         candidates, times ``keep``."""
         meta_rate, warm_rate = self._fixed_rates()
-        cb = self.code_bytes()
-        lo, hi = 2 * cb[self.candidates[0]] * self.layers, 2 * cb[self.candidates[-1]] * self.layers
+        lo, hi = (self._layer_cost(*c) * self.layers for c in (self._cheapest(), self._dearest()))
         return (min(max(self.code_budget(), lo), hi) + meta_rate) * self.keep, warm_rate
 
     def rates(self) -> tuple[float, float]:
@@ -528,9 +673,9 @@ class Budget:
         assert self.widths is not None
         if self._rates is None:
             meta_rate, warm_rate = self._fixed_rates()
-            cb = self.code_bytes()
-            codes = sum(cb[k] + cb[v] for k, v in self.widths.values())
-            codes += (self.layers - len(self.widths)) * 2 * cb[self.candidates[0]]
+            f0 = self.adaptive.codes
+            codes = sum(self._layer_cost(self.families.get(i, f0), k, v) for i, (k, v) in self.widths.items())
+            codes += (self.layers - len(self.widths)) * self._layer_cost(*self._cheapest())
             self._rates = ((codes + meta_rate) * self.keep, warm_rate, 0.0)
         return self._rates[0], self._rates[1]
 
@@ -561,9 +706,17 @@ class Budget:
         for idx, err in sorted(self.errors.items()):
             kb, vb = (None, None) if self.widths is None else self.widths.get(idx, (None, None))
             out["layers"][idx] = {
+                "codes": self.families.get(idx, None if self.mixed else self.adaptive.codes),
                 "key_bits": kb,
                 "value_bits": vb,
-                "key_distortion": {w: err.distortion("k", w) for w in err.widths},
-                "value_distortion": {w: err.distortion("v", w) for w in err.widths},
+                "key_distortion": _by_option(err, "k"),
+                "value_distortion": _by_option(err, "v"),
             }
         return out
+
+
+def _by_option(err: LayerErrors, side: str) -> dict:
+    """Distortions of one side per width (one family) or per ``"codes:width"`` (mixed)."""
+    if len({c for c, _ in err.options}) == 1:
+        return {w: err.distortion(side, w, c) for c, w in err.options}
+    return {f"{c}:{w}": err.distortion(side, w, c) for c, w in err.options}

@@ -30,10 +30,12 @@ Format of a block ``k, v: [B, H, n, T, D]`` (coordinates ``x @ rotation(D)``):
 Parameters are rounded into their formats before the codes are chosen, so the codes absorb the
 rounding. Decoding: keys ``(codebook[idx] * rms + mean) @ rotation.T``, values
 ``(codebook[idx] * rms) @ rotation.T + mean``. The codes are not affine (``AFFINE = None``):
-attention reads a vq tier in place through :mod:`kvtier.kernels.vq_cpu` (C++, one key and one
-value tile per token) or :func:`kvtier.attention.partials.vq_partial` (torch, per-query tables),
-and decodes it chunk by chunk for long prefill calls; dense only (no sparse selection), no fused
-whole-layer kernel and no Triton kernel yet.
+attention reads a vq tier in place through :mod:`kvtier.kernels.vq_cpu` (C++, product-quantization
+tables per query row), :func:`kvtier.kernels.triton_decode.vq_attention` (Triton, codebook
+coordinates gathered per token) or :func:`kvtier.attention.partials.vq_partial` (torch tables, the
+reference), and decodes it chunk by chunk for long prefill calls; dense only (no sparse
+selection). The kernels read the fp8 parameters as bytes through :func:`fp8_values` and one byte
+per index (:func:`check_byte_indices`).
 """
 
 from __future__ import annotations
@@ -133,6 +135,21 @@ def codebook(bits: int, device: torch.device | str = "cpu") -> torch.Tensor:
     if bits not in SUBVECTOR:
         raise ValueError(f"vq bits={bits!r} is not allowed: expected one of {VQ_BITS}")
     return _codebooks_cpu()[bits].to(device)
+
+
+@functools.lru_cache(maxsize=4)
+def fp8_values(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The fp32 value of each byte of the fp8 parameters (``[256]``, NaN for e4m3's NaN bytes): the
+    table through which the kernels read ``k_rms``, ``v_rms`` and ``v_mean`` as bytes."""
+    return torch.arange(256, dtype=torch.uint8).view(FP8).float().to(device)
+
+
+def check_byte_indices(fields: dict[str, torch.Tensor]) -> None:
+    """Refuse fields whose centre indices have bits above the low byte (``*_hi`` not empty): the
+    kernels read one byte per index (every width of :data:`SUBVECTOR` today)."""
+    for side in ("k", "v"):
+        if fields[f"{side}_hi"].shape[-1]:
+            raise ValueError(f"vq indices wider than 8 bits ({side}) are not read by the kernels")
 
 
 def codebook_bytes() -> int:

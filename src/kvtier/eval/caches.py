@@ -100,7 +100,7 @@ def cache_spec(name: str | TierPolicy) -> CacheSpec:
         except ValueError:
             raise ValueError(
                 f"cache {name!r} is not allowed: expected adaptive@<bits>[:keep=<f>][:fit_tokens=<n>]"
-                "[:warmup_tokens=<n>][:sinks=<n>][:codes=vq], e.g. adaptive@2.5 or adaptive@2.5:keep=0.5"
+                "[:warmup_tokens=<n>][:sinks=<n>][:codes=vq|affine+vq], e.g. adaptive@2.5 or adaptive@2.5:keep=0.5"
             ) from None
         p = PRESETS["adaptive"][1]()
         assert p.adaptive is not None

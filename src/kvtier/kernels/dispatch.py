@@ -14,8 +14,9 @@ import warnings
 
 import torch
 
-from ..codecs import Codec
-from ..quant import rotation
+from ..codecs import Codec, VqCodec
+from ..codecs.vq import check_byte_indices, codebook, fp8_values, index_widths
+from ..quant import planes, rotation
 
 
 @functools.lru_cache(maxsize=1)
@@ -87,6 +88,10 @@ def gpu_csr_partial(
     """
     from . import triton_decode as td
 
+    if isinstance(codec, VqCodec):
+        if indptr is not None:
+            raise ValueError("the vq kernel attends densely (vq policies refuse sparse attention)")
+        return _vq_partial(td, rows, fields, codec, dim, num_splits)
     kc, ka, kb, vc, va, vb = (fields[name] for name in codec.KERNEL_FIELDS)
     r = rotation(dim, rows.device) if codec.rotate else None
     q = rows @ r if r is not None else rows
@@ -109,6 +114,33 @@ def gpu_csr_partial(
         num_splits=num_splits,
     )
     return (out @ r.T if r is not None else out), lse
+
+
+def _vq_partial(td, rows, fields, codec: VqCodec, dim: int, num_splits: int | None):
+    """A vq tier through :func:`kvtier.kernels.triton_decode.vq_attention`, the codec's constants
+    (plane widths, codebooks, the fp8 byte table) passed in; rows rotated in, the output back."""
+    check_byte_indices(fields)
+    dev = rows.device
+    r = rotation(dim, dev)
+    kb, vb = codec.key_bits, codec.value_bits
+    out, lse = td.vq_attention(
+        rows.float() @ r,
+        fields["k_idx"],
+        planes(index_widths(kb)[0]),
+        codebook(kb, dev),
+        fields["k_mean"],
+        fields["k_rms"].view(torch.uint8),
+        fields["v_idx"],
+        planes(index_widths(vb)[0]),
+        codebook(vb, dev),
+        fields["v_rms"].view(torch.uint8),
+        fields["v_mean"].view(torch.uint8),
+        r.sum(0),  # the all-ones vector in rotated coordinates: the values' means ride in the sum
+        fp8_values(dev),
+        fields["valid"].squeeze(1),
+        num_splits=num_splits,
+    )
+    return out @ r.T, lse
 
 
 def gpu_exact(

@@ -20,6 +20,12 @@ is ``x = a * code + b`` (:meth:`kvtier.codecs.AffineCodec.affine`); the kernel c
 read a tier's fields as stored (fp16 ``scale, zero`` or ``scale, mean``) and form ``a, b`` in
 registers, which saves the fp32 copies ``affine`` would make every step.
 
+Vector codes (:class:`kvtier.codecs.VqCodec`) have their own kernel, :func:`vq_attention`: per tile
+of tokens each coordinate's centre index is read from its plane (a sub-vector's byte shared by its
+``d`` coordinates), the codebook coordinate gathered (the codebooks are a few KiB: cached), scaled
+by the token's RMS (fp8 bytes through a 256-entry table) and the block's mean added; values the
+same, their token means riding in the sum as ``mean * ones @ rotation`` - no separate output.
+
 Block-sparse attention takes the selected blocks in CSR form (``indptr [B*H+1]``, ``indices [nnz]``,
 FlashInfer's layout), computed once per step and reusable across layers; :func:`padded_to_csr`
 converts the padded ``[B, H, k]`` form used elsewhere in kvtier. Per-row masks within the selected
@@ -246,6 +252,85 @@ def _exact_split_kernel(
 
 
 @triton.jit
+def _vq_plane(row_ptr, tt, t_ok, stride, p, p_ok, W: tl.constexpr, START: tl.constexpr, OFF: tl.constexpr):
+    """One bit plane of the centre index of sub-vector ``p [BLOCK_D]`` (per coordinate) for
+    ``BLOCK_T`` tokens: int32 ``[BLOCK_T, BLOCK_D]`` (fields of :func:`_plane`'s layout, each byte
+    read by every coordinate of its sub-vectors: cached loads)."""
+    PER: tl.constexpr = 8 // W
+    ptrs = row_ptr + tt[:, None].to(tl.int64) * stride + START + (p // PER)[None, :]
+    byte = tl.load(ptrs, mask=t_ok[:, None] & p_ok[None, :], other=0).to(tl.int32)
+    return ((byte >> ((p % PER) * W)[None, :]) & ((1 << W) - 1)) << OFF
+
+
+@triton.jit
+def _vq_centres(
+    Book, row_ptr, tt, t_ok, stride, d, d_ok, SUB: tl.constexpr, W0: tl.constexpr, S0: tl.constexpr,
+    W1: tl.constexpr, S1: tl.constexpr, W2: tl.constexpr, S2: tl.constexpr,
+):  # fmt: skip
+    """The codebook coordinates of ``BLOCK_T`` tokens, fp32 ``[BLOCK_T, BLOCK_D]``: coordinate ``c``
+    is coordinate ``c % SUB`` of the centre whose index sub-vector ``c // SUB`` holds (planes
+    ``(W, S)``: width and first byte, width 0 = absent)."""
+    p = d // SUB
+    idx = _vq_plane(row_ptr, tt, t_ok, stride, p, d_ok, W0, S0, 0)
+    if W1 > 0:
+        idx = idx | _vq_plane(row_ptr, tt, t_ok, stride, p, d_ok, W1, S1, W0)
+    if W2 > 0:
+        idx = idx | _vq_plane(row_ptr, tt, t_ok, stride, p, d_ok, W2, S2, W0 + W1)
+    return tl.load(Book + idx * SUB + (d % SUB)[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+
+
+@triton.jit(do_not_specialize=["n", "num_splits"])  # lengths change every step: no recompiles
+def _vq_split_kernel(
+    Rows, KI, KBook, KMean, KRms, VI, VBook, VRms, VMean, Ones, F8, Valid, OutPart, LsePart,
+    H, R, n, T, KS, VS, num_splits,
+    D: tl.constexpr, KSUB: tl.constexpr, KW0: tl.constexpr, KS0: tl.constexpr, KW1: tl.constexpr,
+    KS1: tl.constexpr, KW2: tl.constexpr, KS2: tl.constexpr, VSUB: tl.constexpr, VW0: tl.constexpr,
+    VS0: tl.constexpr, VW1: tl.constexpr, VS1: tl.constexpr, VW2: tl.constexpr, VS2: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """One (batch x KV head, split) over a vq tier (:class:`kvtier.codecs.VqCodec`, rotated rows):
+    keys ``centre * rms + block mean``, values ``centre * rms + mean * Ones`` (``Ones`` = the
+    all-ones vector in rotated coordinates, so the values' token means ride in the same sum), the
+    fp8 parameters read through the 256-entry table ``F8``; online softmax over the blocks
+    ``s, s + S, ...``."""
+    bh = tl.program_id(0)
+    s = tl.program_id(1)
+    b = bh // H
+    bh64 = bh.to(tl.int64)
+    r = tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    t = tl.arange(0, BLOCK_T)
+    r_ok = r < R
+    d_ok = d < D
+    q = tl.load(Rows + (bh64 * R + r[:, None]) * D + d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+    ones = tl.load(Ones + d, mask=d_ok, other=0.0)
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for e in range(s, n, num_splits):
+        base = bh64 * n + e  # this block in [B * H * n]
+        mean = tl.load(KMean + base * D + d, mask=d_ok, other=0.0).to(tl.float32)
+        bias = tl.sum(q * mean[None, :], 1)
+        valid_row = Valid + (b.to(tl.int64) * n + e) * T
+        for t0 in range(0, T, BLOCK_T):
+            tt = t0 + t
+            t_ok = tt < T
+            ok = (tl.load(valid_row + tt, mask=t_ok, other=0) != 0) & t_ok
+            tok = base * T + tt
+            k_rms = tl.load(F8 + tl.load(KRms + tok, mask=t_ok, other=0).to(tl.int32))
+            kx = _vq_centres(KBook, KI + base * T * KS, tt, t_ok, KS, d, d_ok, KSUB, KW0, KS0, KW1, KS1, KW2, KS2)
+            sc = tl.sum(q[:, None, :] * (kx * k_rms[:, None])[None, :, :], 2) + bias[:, None]  # [R, T]
+            sc = tl.where(r_ok[:, None] & ok[None, :], sc, float("-inf"))
+            p, alpha, m_i, l_i = _online_update(sc, m_i, l_i)
+            v_rms = tl.load(F8 + tl.load(VRms + tok, mask=t_ok, other=0).to(tl.int32))
+            v_mean = tl.load(F8 + tl.load(VMean + tok, mask=t_ok, other=0).to(tl.int32))
+            vx = _vq_centres(VBook, VI + base * T * VS, tt, t_ok, VS, d, d_ok, VSUB, VW0, VS0, VW1, VS1, VW2, VS2)
+            vx = vx * v_rms[:, None] + v_mean[:, None] * ones[None, :]
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vx[None, :, :], 1)
+    _store_split(OutPart, LsePart, bh, s, num_splits, R, acc, m_i, l_i, r, d, D)
+
+
+@triton.jit
 def _merged(OutPart, LsePart, bh, R, num_splits, r, d, r_ok, od_mask, D: tl.constexpr, BLOCK_R: tl.constexpr,
             BLOCK_D: tl.constexpr):  # fmt: skip
     """Log-sum-exp merge of the ``num_splits`` partials (:func:`_store_split`, ``R`` rows each) of rows
@@ -294,10 +379,18 @@ def _plane_spec(bits: int, dim: int) -> dict[str, int]:
     """Kernel constants of a code width: ``W{i}, S{i}`` width and first byte of plane ``i`` (width
     0 = absent) and ``NPAD``, the channels a plane covers (``dim`` padded to a multiple of 8)."""
     n_pad = dim if bits == 8 else -(-dim // 8) * 8
-    spec, start = {"NPAD": n_pad}, 0
+    return {"NPAD": n_pad} | _index_spec("", planes(bits), dim)
+
+
+def _index_spec(prefix: str, widths: tuple[int, ...], count: int) -> dict[str, int]:
+    """``{prefix}W{i}, {prefix}S{i}``: width and first byte of plane ``i`` (width 0 = absent) of
+    ``count`` codes packed at ``widths`` (:func:`kvtier.quant.planes`; each plane covers ``count``
+    padded to a multiple of 8 unless it is one 8-bit plane)."""
+    n_pad = count if tuple(widths) == (8,) else -(-count // 8) * 8
+    spec, start = {}, 0
     for i in range(3):
-        w = planes(bits)[i] if i < len(planes(bits)) else 0
-        spec[f"W{i}"], spec[f"S{i}"] = w, start
+        w = widths[i] if i < len(widths) else 0
+        spec[f"{prefix}W{i}"], spec[f"{prefix}S{i}"] = w, start
         start += n_pad // (8 // w) if w else 0
     return spec
 
@@ -495,6 +588,70 @@ def packed_attention(
         rows, k_codes, k_a, k_b, v_codes, v_a, v_b, valid, bits, dim, indptr, indices, csr_mask,
         affine=affine, num_splits=num_splits,
     )  # fmt: skip
+
+
+def vq_attention(
+    rows: torch.Tensor,
+    k_idx: torch.Tensor,
+    k_planes: tuple[int, ...],
+    k_book: torch.Tensor,
+    k_mean: torch.Tensor,
+    k_rms: torch.Tensor,
+    v_idx: torch.Tensor,
+    v_planes: tuple[int, ...],
+    v_book: torch.Tensor,
+    v_rms: torch.Tensor,
+    v_mean: torch.Tensor,
+    ones: torch.Tensor,
+    fp8: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of rotated ``rows`` over a vq tier, read in place (the layout of
+    :class:`kvtier.codecs.VqCodec`; the caller, :func:`kvtier.kernels.dispatch.gpu_partial`, passes
+    its constants).
+
+    Parameters
+    ----------
+    rows : fp32 ``[B, H, R, D]`` query rows, pre-scaled, in rotated coordinates.
+    k_idx, v_idx : uint8 ``[B, H, n, T, KS]`` / ``[..., VS]`` packed centre indices (one per sub-vector).
+    k_planes, v_planes : their plane widths (:func:`kvtier.quant.planes` of the index width).
+    k_book, v_book : fp32 codebooks ``[C, d]`` (``d`` the sub-vector length, dividing ``D``).
+    k_mean : fp16 ``[B, H, n, 1, D]``; k_rms, v_rms, v_mean : fp8 bytes (uint8) ``[B, H, n, T]``.
+    ones : fp32 ``[D]`` the all-ones vector in rotated coordinates; fp8 : fp32 ``[256]`` the value
+        of each fp8 byte.
+    valid : bool ``[B, n, T]``.
+
+    Returns
+    -------
+    ``out [B, H, R, D]`` (normalized, rotated coordinates, value means included) and ``lse
+    [B, H, R]``, fp32 (``-inf`` and zeros where nothing was attended).
+    """
+    B, H, R, D = rows.shape
+    n, T, KS = k_idx.shape[2:]
+    VS = v_idx.shape[-1]
+    if R == 0 or n == 0:
+        return _empty_result(rows)
+    ksub, vsub = k_book.shape[1], v_book.shape[1]
+    if D % ksub or D % vsub or k_book.shape[0] > 256 or v_book.shape[0] > 256:
+        raise ValueError(f"codebooks {tuple(k_book.shape)} / {tuple(v_book.shape)} do not fit head dim {D}")
+    BLOCK_D = max(8, _pow2(D))
+    BLOCK_R = max(2, _pow2(R))
+    BLOCK_T = max(2, min(_pow2(T), TILE_ELEMENTS // (BLOCK_R * BLOCK_D)))
+    S = _num_splits(B * H, n, rows.device, num_splits)
+    out_part = torch.empty(B, H, S, R, D, dtype=torch.float32, device=rows.device)
+    lse_part = torch.empty(B, H, S, R, dtype=torch.float32, device=rows.device)
+    _vq_split_kernel[(B * H, S)](
+        rows.float().contiguous(), k_idx.contiguous(), k_book.float().contiguous(), k_mean.contiguous(),
+        k_rms.contiguous(), v_idx.contiguous(), v_book.float().contiguous(), v_rms.contiguous(),
+        v_mean.contiguous(), ones.float().contiguous(), fp8.float().contiguous(),
+        valid.reshape(B, n, T).contiguous().view(torch.uint8), out_part, lse_part,
+        H, R, n, T, KS, VS, S,
+        **_index_spec("K", tuple(k_planes), D // ksub), **_index_spec("V", tuple(v_planes), D // vsub),
+        D=D, KSUB=ksub, VSUB=vsub, BLOCK_R=BLOCK_R, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+    )  # fmt: skip
+    return _finish(out_part, lse_part, S, BLOCK_R, BLOCK_D)
 
 
 def exact_attention(
