@@ -389,6 +389,23 @@ def test_eval_cache_names_select_vq_cold_codes():
 # --- the adaptive budget over vector codes ----------------------------------------------------
 
 
+def _stream_budget(model, adaptive, block: int):
+    """The adaptive preset with ``adaptive`` on the tiny Llama (hot 16, ``block``-token blocks, 4
+    sinks, fp16 exact): 333 tokens of batch 2 (row 1 left-padded by 9) streamed in 37-token calls,
+    a :class:`~kvtier.BudgetWarning` an error (the budget is reachable). ``(policy, cache)``."""
+    policy = get_policy("adaptive").replace(
+        hot_tokens=16, block_tokens=block, sink_tokens=4, value_group_size=8, exact_dtype="float16", adaptive=adaptive
+    )
+    ids = torch.randint(3, 97, (2, 333), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    with kvtier.enable(model), warnings.catch_warnings():
+        warnings.simplefilter("error", kvtier.BudgetWarning)
+        cache = kvtier.TieredCache(model.config, policy)
+        stream_logits(model, cache, ids, 37, mask)
+    return policy, cache
+
+
 @pytest.mark.parametrize("keep", [1.0, 0.5])
 def test_adaptive_budget_with_vq_codes_holds_bits_and_plans_honestly(model, keep):
     """``AdaptivePolicy(codes="vq")``: every layer's cold tier is a VqCodec at its allocated widths,
@@ -399,16 +416,7 @@ def test_adaptive_budget_with_vq_codes_holds_bits_and_plans_honestly(model, keep
     # head dim 16: parameters cost ~1.25 bits per element here (fp16 key means per channel per 16-token
     # block, three fp8 numbers per token and head) and the exact ring ~1.8 at 320 tokens: 5 bits
     ad = dataclasses.replace(base.adaptive, bits=5.0, keep=keep, codes="vq", warmup_tokens=48, fit_tokens=320)
-    policy = base.replace(
-        hot_tokens=16, block_tokens=16, sink_tokens=4, value_group_size=8, exact_dtype="float16", adaptive=ad
-    )
-    ids = torch.randint(3, 97, (2, 333), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    mask[1, :9] = 0
-    with kvtier.enable(model), warnings.catch_warnings():
-        warnings.simplefilter("error", kvtier.BudgetWarning)  # the budget is reachable: no warning
-        cache = kvtier.TieredCache(model.config, policy)
-        stream_logits(model, cache, ids, 37, mask)
+    policy, cache = _stream_budget(model, ad, block=16)
     colds = [layer.cold for layer in cache.layers]
     assert all(isinstance(c.codec, VqCodec) for c in colds) and sum(c.nblocks for c in colds) > 0
     report = cache.memory_report()
@@ -522,16 +530,7 @@ def test_adaptive_budget_choosing_families_holds_bits_and_plans_honestly(model):
     base = get_policy("adaptive")
     # 4.5 bits over 32-token blocks: a mix here (vq's per-block key means cost half as much as over 16)
     ad = dataclasses.replace(base.adaptive, bits=4.5, codes="affine+vq", warmup_tokens=48, fit_tokens=320)
-    policy = base.replace(
-        hot_tokens=16, block_tokens=32, sink_tokens=4, value_group_size=8, exact_dtype="float16", adaptive=ad
-    )
-    ids = torch.randint(3, 97, (2, 333), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    mask[1, :9] = 0
-    with kvtier.enable(model), warnings.catch_warnings():
-        warnings.simplefilter("error", kvtier.BudgetWarning)
-        cache = kvtier.TieredCache(model.config, policy)
-        stream_logits(model, cache, ids, 37, mask)
+    policy, cache = _stream_budget(model, ad, block=32)
     (budget,) = cache.budgets.values()
     info = budget.report()["layers"]
     assert {layer["codes"] for layer in info.values()} == {"affine", "vq"}, info

@@ -127,6 +127,25 @@ def _online_update(sc, m_i, l_i):
 
 
 @triton.jit
+def _program_start(Rows, H, R, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """What a (batch x KV head, split) program of a tier starts from: its ids (``bh``, split ``s``,
+    batch row ``b``), row and channel ranges with their masks, its query rows ``q [BLOCK_R,
+    BLOCK_D]`` and an empty online-softmax state ``(m, l, acc)``."""
+    bh = tl.program_id(0)
+    s = tl.program_id(1)
+    bh64 = bh.to(tl.int64)
+    r = tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    r_ok = r < R
+    d_ok = d < D
+    q = tl.load(Rows + (bh64 * R + r[:, None]) * D + d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    return bh, s, bh // H, bh64, r, d, r_ok, d_ok, q, m_i, l_i, acc
+
+
+@triton.jit
 def _store_split(OutPart, LsePart, bh, s, num_splits, R, acc, m_i, l_i, r, d, D: tl.constexpr):
     """Write one split's normalized output and log-sum-exp (``-inf`` when it attended nothing)."""
     has = l_i > 0
@@ -148,19 +167,8 @@ def _packed_split_kernel(
     BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """One (batch x KV head, split): online softmax over the blocks ``e = lo + s, lo + s + S, ...``."""
-    bh = tl.program_id(0)
-    s = tl.program_id(1)
-    b = bh // H
-    bh64 = bh.to(tl.int64)
-    r = tl.arange(0, BLOCK_R)
-    d = tl.arange(0, BLOCK_D)
+    bh, s, b, bh64, r, d, r_ok, d_ok, q, m_i, l_i, acc = _program_start(Rows, H, R, D, BLOCK_R, BLOCK_D)
     t = tl.arange(0, BLOCK_T)
-    r_ok = r < R
-    d_ok = d < D
-    q = tl.load(Rows + (bh64 * R + r[:, None]) * D + d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     if SPARSE:
         lo = tl.load(Indptr + bh).to(tl.int32)
         hi = tl.load(Indptr + bh + 1).to(tl.int32)
@@ -218,20 +226,10 @@ def _exact_split_kernel(
     D: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """One (batch x KV head, split): online softmax over token chunks ``c = s, s + S, ...``."""
-    bh = tl.program_id(0)
-    s = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
+    bh, s, b, bh64, r, d, r_ok, d_ok, q, m_i, l_i, acc = _program_start(Rows, H, R, D, BLOCK_R, BLOCK_D)
+    b = b.to(tl.int64)
     h = (bh % H).to(tl.int64)
-    bh64 = bh.to(tl.int64)
-    r = tl.arange(0, BLOCK_R)
-    d = tl.arange(0, BLOCK_D)
     j = tl.arange(0, BLOCK_N)
-    r_ok = r < R
-    d_ok = d < D
-    q = tl.load(Rows + (bh64 * R + r[:, None]) * D + d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     k_base = K + b * skb + h * skh
     v_base = V + b * svb + h * svh
     for c in range(s, tl.cdiv(N, BLOCK_N), num_splits):
@@ -293,20 +291,9 @@ def _vq_split_kernel(
     all-ones vector in rotated coordinates, so the values' token means ride in the same sum), the
     fp8 parameters read through the 256-entry table ``F8``; online softmax over the blocks
     ``s, s + S, ...``."""
-    bh = tl.program_id(0)
-    s = tl.program_id(1)
-    b = bh // H
-    bh64 = bh.to(tl.int64)
-    r = tl.arange(0, BLOCK_R)
-    d = tl.arange(0, BLOCK_D)
+    bh, s, b, bh64, r, d, r_ok, d_ok, q, m_i, l_i, acc = _program_start(Rows, H, R, D, BLOCK_R, BLOCK_D)
     t = tl.arange(0, BLOCK_T)
-    r_ok = r < R
-    d_ok = d < D
-    q = tl.load(Rows + (bh64 * R + r[:, None]) * D + d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
     ones = tl.load(Ones + d, mask=d_ok, other=0.0)
-    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     for e in range(s, n, num_splits):
         base = bh64 * n + e  # this block in [B * H * n]
         mean = tl.load(KMean + base * D + d, mask=d_ok, other=0.0).to(tl.float32)
