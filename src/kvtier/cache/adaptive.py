@@ -62,28 +62,17 @@ class LayerErrors:
 
     Parameters
     ----------
-    widths : candidate widths.
+    options : the ``(codes, width)`` candidates measured: ``codes`` ``"affine"`` (``quantize_ab``
+        with ``meta`` parameters, clipped: :class:`~kvtier.codecs.MixedCodec`'s) or ``"vq"``
+        (:class:`~kvtier.codecs.VqCodec`'s); both families for ``AdaptivePolicy(codes="affine+vq")``.
     meta : parameter format (a key of :data:`kvtier.codecs.META_DTYPES`).
     heads, dim, group : KV heads, head dim, value group size.
-    codes : the codes measured, ``"affine"`` (``quantize_ab`` with ``meta`` parameters, clipped:
-        :class:`~kvtier.codecs.MixedCodec`'s) or ``"vq"`` (:class:`~kvtier.codecs.VqCodec`'s).
-    options : instead of ``widths`` and ``codes``: the ``(codes, width)`` pairs measured (both
-        families for ``AdaptivePolicy(codes="affine+vq")``); :meth:`distortion` then takes the family.
     """
 
-    def __init__(
-        self,
-        widths: tuple[int, ...],
-        meta: str,
-        heads: int,
-        dim: int,
-        group: int,
-        codes: str = "affine",
-        options: tuple[tuple[str, int], ...] | None = None,
-    ):
-        self.options = options if options is not None else tuple((codes, w) for w in widths)
-        self.widths = tuple(sorted({w for _, w in self.options}))
-        self.meta, self.dim, self.group, self.codes = meta, dim, group, codes
+    def __init__(self, options: tuple[tuple[str, int], ...], meta: str, heads: int, dim: int, group: int):
+        self.options, self.meta, self.dim, self.group = options, meta, dim, group
+        families = {c for c, _ in options}
+        self.family = next(iter(families)) if len(families) == 1 else None  # the one family measured, if so
         self.key_err = {o: torch.zeros(heads, dim, dtype=torch.float64) for o in self.options}  # [H, D]
         self.value_err = {o: torch.zeros(heads, dtype=torch.float64) for o in self.options}  # [H]
         self.v_sum = torch.zeros(heads, dim, dtype=torch.float64)
@@ -98,8 +87,8 @@ class LayerErrors:
 
     @staticmethod
     def nbytes(widths: int, heads: int, dim: int) -> int:
-        """Bytes of the accumulators of :meth:`tensors` between calls (``widths`` candidates: widths,
-        or ``(codes, width)`` options)."""
+        """Bytes of the accumulators of :meth:`tensors` between calls (``widths`` candidate
+        ``(codes, width)`` options)."""
         return 8 * (widths * heads * dim + widths * heads + 2 * heads * dim + heads)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -193,8 +182,9 @@ class LayerErrors:
         """Relative distortion of the layer's attention output with ``side`` (``"k"`` or ``"v"``) at
         ``width`` in the family ``codes`` (None: the one measured; see the module doc); 0 before any
         block was observed."""
+        codes = codes or self.family
         if codes is None:
-            (codes,) = {c for c, _ in self.options}
+            raise ValueError("this layer measured both code families: name one (codes='affine' or 'vq')")
         if self.frozen is not None:
             return self.frozen[(side, codes, width)]
         return self._distortion(side, (codes, width))
@@ -452,8 +442,8 @@ class Budget:
                 f"AdaptivePolicy(codes='vq', widths={self.adaptive.widths}): no width's sub-vectors tile "
                 f"head_dim={dim} ({ {w: SUBVECTOR[w] for w in self.adaptive.widths} }); use codes='affine'"
             )
-        options = tuple((f, w) for f, ws in self.family_widths.items() for w in ws) if self.mixed else None
-        err = LayerErrors(self.candidates, self.adaptive.meta, heads, dim, g, self.adaptive.codes, options)
+        options = tuple((f, w) for f, ws in self.family_widths.items() for w in ws)
+        err = LayerErrors(options, self.adaptive.meta, heads, dim, g)
         self.errors.setdefault(layer_idx, err)
 
     @property
@@ -717,6 +707,6 @@ class Budget:
 
 def _by_option(err: LayerErrors, side: str) -> dict:
     """Distortions of one side per width (one family) or per ``"codes:width"`` (mixed)."""
-    if len({c for c, _ in err.options}) == 1:
-        return {w: err.distortion(side, w, c) for c, w in err.options}
+    if err.family is not None:
+        return {w: err.distortion(side, w) for _, w in err.options}
     return {f"{c}:{w}": err.distortion(side, w, c) for c, w in err.options}

@@ -49,7 +49,7 @@ from typing import ClassVar
 
 import torch
 
-from ..quant import pack_bits, packed_size, rotation, unpack_bits
+from ..quant import pack_bits, packed_size, planes, rotation, unpack_bits
 from .base import FP16_BYTES, block_key_bounds, check_params, token_valid
 
 #: Sub-vector length ``d`` of each code width (bits per coordinate): a codebook of ``2**(bits * d)``
@@ -150,6 +150,31 @@ def check_byte_indices(fields: dict[str, torch.Tensor]) -> None:
     for side in ("k", "v"):
         if fields[f"{side}_hi"].shape[-1]:
             raise ValueError(f"vq indices wider than 8 bits ({side}) are not read by the kernels")
+
+
+def kernel_operands(codec: VqCodec, fields: dict[str, torch.Tensor]) -> tuple:
+    """What the vq kernels (C++ and Triton) take after the query rows, in their order, for each side
+    (keys, then values): the packed indices (contiguous uint8), their plane widths
+    (:func:`kvtier.quant.planes`), the codebook on the fields' device; then keys' fp16 ``k_mean``,
+    and the fp8 parameters as bytes. Refuses indices wider than a byte (:func:`check_byte_indices`)."""
+    check_byte_indices(fields)
+    dev = fields["k_idx"].device
+
+    def side(s: str) -> tuple:
+        bits = codec.width(s)
+        return fields[f"{s}_idx"].contiguous(), planes(index_widths(bits)[0]), codebook(bits, dev).contiguous()
+
+    def as_bytes(name: str) -> torch.Tensor:
+        return fields[name].contiguous().view(torch.uint8)
+
+    return (
+        *side("k"),
+        fields["k_mean"].contiguous(),
+        as_bytes("k_rms"),
+        *side("v"),
+        as_bytes("v_rms"),
+        as_bytes("v_mean"),
+    )
 
 
 def codebook_bytes() -> int:

@@ -15,8 +15,8 @@ import warnings
 import torch
 
 from ..codecs import Codec, VqCodec
-from ..codecs.vq import check_byte_indices, codebook, fp8_values, index_widths
-from ..quant import planes, rotation
+from ..codecs.vq import fp8_values, kernel_operands
+from ..quant import rotation
 
 
 @functools.lru_cache(maxsize=1)
@@ -117,26 +117,14 @@ def gpu_csr_partial(
 
 
 def _vq_partial(td, rows, fields, codec: VqCodec, dim: int, num_splits: int | None):
-    """A vq tier through :func:`kvtier.kernels.triton_decode.vq_attention`, the codec's constants
-    (plane widths, codebooks, the fp8 byte table) passed in; rows rotated in, the output back."""
-    check_byte_indices(fields)
-    dev = rows.device
-    r = rotation(dim, dev)
-    kb, vb = codec.key_bits, codec.value_bits
+    """A vq tier through :func:`kvtier.kernels.triton_decode.vq_attention`, the codec's operands
+    (:func:`kvtier.codecs.vq.kernel_operands`) passed in; rows rotated in, the output back."""
+    r = rotation(dim, rows.device)
     out, lse = td.vq_attention(
         rows.float() @ r,
-        fields["k_idx"],
-        planes(index_widths(kb)[0]),
-        codebook(kb, dev),
-        fields["k_mean"],
-        fields["k_rms"].view(torch.uint8),
-        fields["v_idx"],
-        planes(index_widths(vb)[0]),
-        codebook(vb, dev),
-        fields["v_rms"].view(torch.uint8),
-        fields["v_mean"].view(torch.uint8),
+        *kernel_operands(codec, fields),
         r.sum(0),  # the all-ones vector in rotated coordinates: the values' means ride in the sum
-        fp8_values(dev),
+        fp8_values(rows.device),
         fields["valid"].squeeze(1),
         num_splits=num_splits,
     )

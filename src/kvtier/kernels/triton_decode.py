@@ -394,6 +394,20 @@ def _num_splits(bh: int, work: int, device: torch.device, num_splits: int | None
     return max(1, min(num_splits, max(1, work)))
 
 
+def _tier_launch(rows: torch.Tensor, T: int, work: int, num_splits: int | None):
+    """A tier kernel's launch over ``rows [B, H, R, D]`` and ``T``-token blocks, ``work`` blocks per
+    (batch, KV head): ``(BLOCK_R, BLOCK_T, BLOCK_D, S, out_part, lse_part)``, the tile sizes within
+    :data:`TILE_ELEMENTS`, the splits, and the empty ``[B, H, S, R, D]`` / ``[B, H, S, R]`` partials."""
+    B, H, R, D = rows.shape
+    BLOCK_D = max(8, _pow2(D))
+    BLOCK_R = max(2, _pow2(R))
+    BLOCK_T = max(2, min(_pow2(T), TILE_ELEMENTS // (BLOCK_R * BLOCK_D)))
+    S = _num_splits(B * H, work, rows.device, num_splits)
+    out_part = torch.empty(B, H, S, R, D, dtype=torch.float32, device=rows.device)
+    lse_part = torch.empty(B, H, S, R, dtype=torch.float32, device=rows.device)
+    return BLOCK_R, BLOCK_T, BLOCK_D, S, out_part, lse_part
+
+
 def _finish(out_part: torch.Tensor, lse_part: torch.Tensor, S: int, BLOCK_R: int, BLOCK_D: int):
     """Merge ``[B, H, S, R, D]`` split partials into ``out [B, H, R, D]``, ``lse [B, H, R]``."""
     B, H, _, R, D = out_part.shape
@@ -494,12 +508,7 @@ def packed_attention_csr(
     work = (indices.numel() // max(1, B * H)) if sparse else n
     if R == 0 or n == 0 or (sparse and indices.numel() == 0):
         return _empty_result(rows)
-    BLOCK_D = max(8, _pow2(D))
-    BLOCK_R = max(2, _pow2(R))
-    BLOCK_T = max(2, min(_pow2(T), TILE_ELEMENTS // (BLOCK_R * BLOCK_D)))
-    S = _num_splits(B * H, work, rows.device, num_splits)
-    out_part = torch.empty(B, H, S, R, D, dtype=torch.float32, device=rows.device)
-    lse_part = torch.empty(B, H, S, R, dtype=torch.float32, device=rows.device)
+    BLOCK_R, BLOCK_T, BLOCK_D, S, out_part, lse_part = _tier_launch(rows, T, work, num_splits)
     rows = rows.float().contiguous()
     dummy = rows
     _packed_split_kernel[(B * H, S)](
@@ -623,12 +632,7 @@ def vq_attention(
     ksub, vsub = k_book.shape[1], v_book.shape[1]
     if D % ksub or D % vsub or k_book.shape[0] > 256 or v_book.shape[0] > 256:
         raise ValueError(f"codebooks {tuple(k_book.shape)} / {tuple(v_book.shape)} do not fit head dim {D}")
-    BLOCK_D = max(8, _pow2(D))
-    BLOCK_R = max(2, _pow2(R))
-    BLOCK_T = max(2, min(_pow2(T), TILE_ELEMENTS // (BLOCK_R * BLOCK_D)))
-    S = _num_splits(B * H, n, rows.device, num_splits)
-    out_part = torch.empty(B, H, S, R, D, dtype=torch.float32, device=rows.device)
-    lse_part = torch.empty(B, H, S, R, dtype=torch.float32, device=rows.device)
+    BLOCK_R, BLOCK_T, BLOCK_D, S, out_part, lse_part = _tier_launch(rows, T, n, num_splits)
     _vq_split_kernel[(B * H, S)](
         rows.float().contiguous(), k_idx.contiguous(), k_book.float().contiguous(), k_mean.contiguous(),
         k_rms.contiguous(), v_idx.contiguous(), v_book.float().contiguous(), v_rms.contiguous(),

@@ -24,8 +24,8 @@ import functools
 import torch
 
 from ..codecs import VqCodec
-from ..codecs.vq import check_byte_indices, codebook, fp8_values, index_widths
-from ..quant import planes, rotation
+from ..codecs.vq import fp8_values, kernel_operands
+from ..quant import rotation
 from . import build
 
 
@@ -40,31 +40,16 @@ def available() -> bool:
     return build.check(_module, "kvtier vq kernel", "the torch path")
 
 
-def _bytes(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.uint8)
-
-
 def vq_attention(
     rows: torch.Tensor, fields: dict[str, torch.Tensor], codec: VqCodec, dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``rows [B, H, R, D]`` (fp32, scaled) over a vq tier (``fields`` as the codec
     stores them, with ``valid [B, 1, n, T]``): normalized ``out [B, H, R, D]`` and ``lse [B, H, R]``
     (``-inf`` and 0 for a row with nothing valid)."""
-    check_byte_indices(fields)
     r = rotation(dim, rows.device)
-    kb, vb = codec.key_bits, codec.value_bits
     out, mean_out, lse = _module().vq_attention(
         (rows.float() @ r).contiguous(),
-        fields["k_idx"].contiguous(),
-        list(planes(index_widths(kb)[0])),
-        codebook(kb, rows.device).contiguous(),
-        fields["k_mean"].contiguous(),
-        _bytes(fields["k_rms"]),
-        fields["v_idx"].contiguous(),
-        list(planes(index_widths(vb)[0])),
-        codebook(vb, rows.device).contiguous(),
-        _bytes(fields["v_rms"]),
-        _bytes(fields["v_mean"]),
+        *kernel_operands(codec, fields),
         fields["valid"].squeeze(1).contiguous(),
         fp8_values(),
     )
