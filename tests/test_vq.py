@@ -549,3 +549,24 @@ def test_adaptive_budget_choosing_families_holds_bits_and_plans_honestly(model):
         get_policy("default").replace(adaptive=ad)
     with pytest.raises(ValueError, match=r"^codes='vq\+affine' is not allowed: expected one of"):
         dataclasses.replace(base.adaptive, codes="vq+affine")
+
+
+def test_vq_kernel_operands_and_family_misuse_are_refused():
+    """Indices with bits above the low byte are refused before any kernel reads them (both kernels
+    take their operands from ``kernel_operands``), and a layer that measured both families refuses
+    a distortion that names neither."""
+    from kvtier.cache.adaptive import LayerErrors
+
+    k, v = kv(1, 2, 2, 8, 16, seed=1)
+    valid = torch.ones(1, 1, 2, 8, dtype=torch.bool)
+    codec = VqCodec(3, 2, 16)
+    f = codec.encode(k, v, valid)
+    ops = vqmod.kernel_operands(codec, f)
+    assert len(ops) == 10 and ops[1] == (4, 2) and ops[4].dtype == torch.uint8  # 6-bit indices: planes 4 + 2
+    f["v_hi"] = torch.zeros(*f["v_idx"].shape[:-1], 1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"^vq indices wider than 8 bits \(v\) are not read by the kernels$"):
+        vqmod.kernel_operands(codec, f)
+    err = LayerErrors((("affine", 2), ("vq", 2)), "fp8", 2, 16, 8)
+    assert err.family is None and err.distortion("k", 2, "vq") == 0.0
+    with pytest.raises(ValueError, match=r"^this layer measured both code families: name one"):
+        err.distortion("k", 2)
