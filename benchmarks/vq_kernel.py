@@ -10,7 +10,11 @@ key biases), stored as
 * ``affine3``: ``default``'s cold codec (3-bit keys and values, rotated) through the fused layer
   call that decode makes (:mod:`kvtier.kernels.fused_cpu`),
 * ``vqK/V``: :class:`kvtier.codecs.VqCodec` at each ``--vq`` width pair through
-  :mod:`kvtier.kernels.vq_cpu`.
+  :mod:`kvtier.kernels.vq_cpu`;
+* a decode step's layer with the first vq pair's tier beside ``--hot`` exact bf16 tokens:
+  ``layer-vq-fused`` in one fused layer call (the vq tier read inside it, as decode does now) and
+  ``layer-vq-apart`` as decode did before: the fused call over the exact tokens, the vq kernel's
+  own call, merged by log-sum-exp in torch.
 
 Prints the median milliseconds per call and the ratio to ``affine3``, then one JSON line.
 
@@ -27,6 +31,7 @@ import time
 import torch
 
 from kvtier.attention.backends.cpu import CpuBackend
+from kvtier.attention.partials import Partial, merge
 from kvtier.codecs import VqCodec
 from kvtier.codecs.registry import make_codecs
 from kvtier.policy import get_policy
@@ -40,6 +45,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--block", type=int, default=64, help="tokens per block")
     ap.add_argument("--vq", default="3/3,2/2,4/4,2/1", help="vq key/value width pairs")
+    ap.add_argument("--hot", type=int, default=128, help="exact tokens beside the tier in the layer rows")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -73,6 +79,15 @@ def main() -> None:
     for pair in args.vq.split(","):
         kb, vb = (int(x) for x in pair.split("/"))
         calls[f"vq{kb}/{vb}"] = tier(VqCodec(kb, vb, D))
+    kb, vb = (int(x) for x in args.vq.split(",")[0].split("/"))
+    vq_codec = VqCodec(kb, vb, D)
+    fv = vq_codec.encode(k, v, valid)
+    fv["valid"] = valid
+    hot = [(kx[:, :, : args.hot], vx[:, :, : args.hot], torch.ones(1, 1, args.hot, dtype=torch.bool))]
+    calls["layer-vq-fused"] = lambda: backend.layer(rows, hot, [(fv, vq_codec, 0)])
+    calls["layer-vq-apart"] = lambda: merge(
+        [Partial(*backend.layer(rows, hot, [])[:2]), backend.tier(rows, fv, vq_codec, D)]
+    )
     times: dict[str, list[float]] = {name: [] for name in calls}
     for call in calls.values():  # warm: builds the kernels
         call()
@@ -85,7 +100,7 @@ def main() -> None:
     print(f"{args.tokens} tokens, {H} KV heads x {R} rows, head dim {D}, {args.threads} threads", end="")
     print(f", median of {args.rounds}")
     for name, m in ms.items():
-        print(f"  {name:>11}: {m:8.3f} ms  ({m / ms['affine3']:.2f}x affine3)")
+        print(f"  {name:>14}: {m:8.3f} ms  ({m / ms['affine3']:.2f}x affine3)")
     print(
         json.dumps(
             {
@@ -95,6 +110,7 @@ def main() -> None:
                 "rows": R,
                 "dim": D,
                 "threads": args.threads,
+                "hot": args.hot,
                 "ms": {k_: round(m, 4) for k_, m in ms.items()},
             }
         )

@@ -277,7 +277,7 @@ def test_vq_cache_close_to_dynamic_and_paths_agree(model):
         assert isinstance(cold.codec, VqCodec) and cold.nblocks >= 6  # the tokens are in the vq tier
     layer = caches["vq3", "fast"].layers[1]
     step = torch.randn(2, 4, 1, 16)
-    assert plan_mod.plan_for(layer, step, None, None).chunks[0].fused  # decode: fused call + the vq kernel
+    assert plan_mod.plan_for(layer, step, None, None).chunks[0].fused  # decode: one fused call, the vq tier in it
     for name in ("vq3", "vq2"):
         for att in ("per-tier", "torch", "reference"):  # every path reads the same codes
             assert (out[name, att] - out[name, "fast"]).abs().max() < 1e-4
@@ -310,8 +310,8 @@ def test_vq_plan_equals_memory_report(model, seq):
 def test_vq_tier_attention_matches_fp64_reference(force, kb, vb, D, q):
     """Sinks + vq cold + 2-bit warm + hot, batch 2 left-padded (row 1's cold tier partly padding),
     GQA 3, lengths off the block grid. ``torch`` reads the vq tier in place (vq_partial's tables);
-    ``cpu`` runs every packed tier in C++ (the vq one through kernels/vq_cpu); ``fused`` the exact
-    and affine segments in the fused layer call, the vq tier beside it, merged. Each within the
+    ``cpu`` runs every packed tier in C++ (the vq one through kernels/vq_cpu); ``fused`` every
+    segment, the vq tier included, in the fused layer call. Each within the
     flash-attention rule of the fp64 reference: ``err <= 2 * err(fp32 reference) + 1e-5``."""
     from builders import POLICIES as SHARED
     from builders import build_layer, mask_for
@@ -475,6 +475,59 @@ def test_vq_cpu_kernel_matches_the_torch_tables(kb, vb, D, R):
         assert (out[ok].double() - out64[ok]).abs().max().item() <= 2 * err_ref + 1e-5
         err_ref = (other.lse[ok].double() - lse64[ok]).abs().max().item()
         assert (lse[ok].double() - lse64[ok]).abs().max().item() <= 2 * err_ref + 1e-5
+
+
+@pytest.mark.parametrize("tiers", [("vq",), ("vq", "vq"), ("int", "vq")])
+@pytest.mark.parametrize("D, R", [(16, 1), (24, 13)])
+def test_fused_layer_call_reads_vq_tiers_like_the_tier_kernel(tiers, D, R):
+    """The fused whole-layer call with vq tiers (one, two of other widths, or after an affine tier)
+    against the per-tier path it replaces: the exact segment by torch, each tier by its own kernel,
+    merged by log-sum-exp - batch 3 (row 1's tiers all padding, row 2 left-padded), 8-lane groups
+    of rows partly empty (13), lengths off the block grid; within float error of the fp32 path.
+    The work counts: per vq tier, valid tokens x rows scored and valued, valid tokens read."""
+    from kvtier.attention.partials import Partial, exact_partial, merge
+    from kvtier.codecs import KBitCodec
+    from kvtier.kernels import cpu, fused_cpu, vq_cpu
+
+    if not (fused_cpu.available() and vq_cpu.available() and cpu.available()):
+        pytest.skip("no C++ compiler")
+    widths = iter([(3, 3), (2, 1)])
+    rows = torch.randn(3, 2, R, D, generator=torch.Generator().manual_seed(R + D)) * 0.3
+    ek, ev = kv(3, 2, 1, 5, D, seed=7)
+    ek, ev = ek.reshape(3, 2, 5, D), ev.reshape(3, 2, 5, D)
+    allowed = torch.ones(1, 1, 5, dtype=torch.bool)
+    parts = [exact_partial(rows, ek, ev, allowed[:, None])]
+    segments, vq, expect = [], [], []
+    for i, kind in enumerate(tiers):
+        k, v = kv(3, 2, 4, 8, D, seed=D + R + i)
+        valid = torch.ones(3, 1, 4, 8, dtype=torch.bool)
+        valid[:, :, -1, 5:] = False
+        valid[1] = False
+        valid[2, :, 0, :3] = False
+        codec = VqCodec(*next(widths), D) if kind == "vq" else KBitCodec(2, 4)
+        f = codec.encode(k, v, valid)
+        f["valid"] = valid
+        if kind == "vq":
+            vq.append((f, codec))
+            parts.append(Partial(*vq_cpu.vq_attention(rows, f, codec, D)))
+            expect.append(int(valid.sum()))
+        else:
+            ka, kb, va, vb, kc, vc = codec.affine(f)
+            ok = valid.squeeze(1)
+            segments.append(((*(f[n] for n in codec.KERNEL_FIELDS), ok), codec.bits, 0, codec.AFFINE, None))
+            parts.append(Partial(*cpu.packed_attention(rows, kc, ka, kb, vc, va, vb, ok, codec.bits, D)[:2]))
+    out, lse, counts = fused_cpu.layer_attention(rows, [(ek, ev, allowed)], segments, None, vq)
+    ref = merge(parts)
+    assert (out - ref).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item())
+    per_head = counts.reshape(3, 2, 1 + len(tiers), 3)
+    for j, n_valid in enumerate(expect):  # vq tiers are counted after the affine ones
+        col = per_head[:, :, 1 + len(segments) + j]
+        tokens = torch.tensor([int(vq[j][0]["valid"][b].sum()) for b in range(3)])
+        assert torch.equal(col[..., 2], tokens[:, None].expand(3, 2))
+        assert torch.equal(col[..., 0], col[..., 2] * R) and torch.equal(col[..., 1], col[..., 2] * R)
+        assert int(col[..., 2].sum()) == 2 * n_valid
+    with pytest.raises(ValueError, match="vq tiers are attended densely"):
+        fused_cpu.layer_attention(rows, [(ek, ev, allowed)], segments, ("mass", 0.9, torch.zeros(R)), vq)
 
 
 # --- the allocation choosing each layer's family (AdaptivePolicy(codes="affine+vq")) ------------

@@ -120,8 +120,7 @@ class ChunkPlan:
     exact : backend of the exact segments (sinks, hot).
     packed : backend of packed tiers whose codes the kernels read (``codec.AFFINE`` set).
     other : backend of the other packed tiers (torch, chunk-wise decoding).
-    fused : the whole layer in one C++ call (:meth:`CpuBackend.layer`); a vq tier beside it in its
-        own C++ call, merged by log-sum-exp.
+    fused : the whole layer in one C++ call (:meth:`CpuBackend.layer`), vq tiers included.
     sketch_kernel : offloaded layers score their key sketches in C++.
     offload_kernel : an offloaded layer's cold tier takes the C++ two-level path (select and attend
         in :mod:`kvtier.kernels.offload_cpu`): few rows on the CPU (``sketch_kernel``), exact
@@ -287,8 +286,7 @@ def _build(
     tiers = [t for t in (layer.cold, layer.warm) if t is not None]
     offloaded = layer.offloaded
     device = torch.device(device)
-    # the fused call reads affine codes; on the CPU a vq tier joins it through its own C++ kernel
-    # (its partial merged with the call's result: kvtier.attention.tiered._fused_attend)
+    # the fused call reads affine codes and, on the CPU, vector codes (the routine of the vq kernel)
     affine = all(
         t.codec.AFFINE is not None or (device.type == "cpu" and _CPU.reads(t.codec))
         for t in tiers

@@ -37,8 +37,8 @@ def _tier_starts(layer: LayerState, tiers) -> list[int]:
 
 
 def _fused_attend(layer: LayerState, rows, q_pos, padding, tiers, plan: AttentionPlan, chunk: ChunkPlan, stats):
-    """Every segment of the layer in one fused call (a vq tier in its own C++ call, merged by
-    log-sum-exp); the same result and work counts as the per-tier path of :func:`_attend`."""
+    """Every segment of the layer in one fused call (vq tiers included); the same result and work
+    counts as the per-tier path of :func:`_attend`."""
     B, H, R, D = rows.shape
     q = q_pos.numel()
     exact = []
@@ -54,16 +54,14 @@ def _fused_attend(layer: LayerState, rows, q_pos, padding, tiers, plan: Attentio
         allowed = _hot_allowed(layer, q_pos, padding, R // q)[:, 0]
     exact.append((hk, hv, allowed))
     starts = _tier_starts(layer, tiers)
-    fused = [i for i, t in enumerate(tiers) if t.codec.AFFINE is not None]
-    segments = [(tiers[i].fields, tiers[i].codec, starts[i]) for i in fused]
+    # the affine tiers first, as the call counts them (vq tiers last: dense, their policies refuse sparse)
+    ordered = sorted(range(len(tiers)), key=lambda i: tiers[i].codec.AFFINE is None)
+    segments = [(tiers[i].fields, tiers[i].codec, starts[i]) for i in ordered]
     sp = plan.sparse
     sel = DENSE if sp is None else Selection("tokens", sp.method, sp.level, q_pos.repeat(R // q) - sp.local_window + 1)
-    out, lse, counts = chunk.packed.layer(rows, exact, segments, sel)
+    out, _, counts = chunk.packed.layer(rows, exact, segments, sel)
     if stats is not None:
-        stats = work.fused(stats, counts, [tiers[i] for i in fused], B, H, D, R, sp is not None)
-    vector = [t for t in tiers if t.codec.AFFINE is None]  # vq tiers (dense: their policies refuse sparse)
-    if vector:
-        out = merge([Partial(out, lse), *(chunk.packed.tier(rows, t.fields, t.codec, D) for t in vector)])
+        stats = work.fused(stats, counts, [tiers[i] for i in ordered], B, H, D, R, sp is not None)
     return out, stats
 
 

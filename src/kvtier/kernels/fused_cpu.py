@@ -14,15 +14,19 @@ output: per (batch, KV head), in parallel,
 3. the tier's softmax (a vectorized exp) and, with selection, the mass or quantile rule of
    :func:`kvtier.attention.sparse.select_tokens` (the same rule as ``packed_attention``);
 4. values only for tokens some row keeps, unpacked once per token, accumulated per row;
-5. the log-sum-exp merge of the exact part and every tier.
+5. per tier of vector codes (:class:`~kvtier.codecs.VqCodec`, dense only): the product-quantization
+   routine of :mod:`kvtier.kernels.vq_cpu` (``csrc/vq_tier.h``, one source for both calls), rows
+   rotated in, the output rotated back;
+6. the log-sum-exp merge of the exact part and every tier.
 
 Every stored value is ``x = a * code + b`` (see :mod:`kvtier.kernels.cpu`). The reference is the
 per-tier path it replaces (torch partials + :func:`kvtier.attention.partials.merge`), which the
 tests compare it with. When the build fails :func:`available` is False and callers use that path.
 
-The C++ is ``csrc/layer_attention.cpp`` (with ``csrc/common.h``, shared with :mod:`kvtier.kernels.cpu`, and
-``csrc/numeric.h``'s 16-token transpose-and-add for key scores, shared with the vLLM page kernel),
-built by :mod:`kvtier.kernels.build`. Imports only torch, ``.build`` and the codecs' affine table.
+The C++ is ``csrc/layer_attention.cpp`` (with ``csrc/common.h``, shared with :mod:`kvtier.kernels.cpu`,
+``csrc/numeric.h``'s 16-token transpose-and-add for key scores, shared with the vLLM page kernel, and
+``csrc/vq_tier.h``), built by :mod:`kvtier.kernels.build`. Imports torch, ``.build``,
+:mod:`kvtier.codecs` (the affine table, the vq operands) and :mod:`kvtier.quant` (the rotation).
 """
 
 from __future__ import annotations
@@ -31,14 +35,16 @@ import functools
 
 import torch
 
-from ..codecs import AFFINE_MODES
+from ..codecs import AFFINE_MODES, VqCodec
+from ..codecs.vq import fp8_values, kernel_operands
+from ..quant import rotation
 from . import build
 
 
 @functools.lru_cache(maxsize=1)
 def _module():
     return build.load(
-        "kvtier_fused_cpu_v15", "layer_attention.cpp", ["layer_attention"], ("-fno-math-errno", "-fno-trapping-math")
+        "kvtier_fused_cpu_v16", "layer_attention.cpp", ["layer_attention"], ("-fno-math-errno", "-fno-trapping-math")
     )
 
 
@@ -57,6 +63,7 @@ def layer_attention(
     exact: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     tiers: list[tuple[tuple[torch.Tensor, ...], int, int, bool, torch.Tensor | None]],
     select: tuple[str, float, torch.Tensor] | None = None,
+    vq: list[tuple[dict[str, torch.Tensor], VqCodec]] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention of ``rows [B,H,R,D]`` (fp32, scaled) over a layer's exact segments and packed tiers.
 
@@ -70,6 +77,8 @@ def layer_attention(
         ``affine`` the codec's rule for ``x = a * code + b`` (a key of
         :data:`kvtier.codecs.AFFINE_MODES`), ``valid [B,n,T]``, ``start`` the index of the
         tier's first token slot, ``rot [D,D]`` or None (codes of ``x @ rot``).
+    vq : ``(fields, codec)`` per tier of vector codes, the fields as the codec stores them with
+        ``valid [B,1,n,T]``; attended densely (``select`` must be None when any is given).
     select : ``(method, level, forced_from [R])``: token selection per tier (``"mass"`` or
         ``"quantile"``, rules of :func:`kvtier.attention.sparse.select_tokens`, the mass counting the
         tier's tokens and the exact ones); tokens at index >= ``forced_from`` are always kept.
@@ -77,9 +86,11 @@ def layer_attention(
     Returns
     -------
     ``out [B,H,R,D]`` merged and normalized, ``lse [B,H,R]`` (``-inf``: nothing attended), ``counts``
-    int64 ``[B*H, 1 + tiers, 3]``: for the exact part, then per tier: pairs scored, pairs valued,
-    tokens whose value bytes were read.
+    int64 ``[B*H, 1 + tiers + vq tiers, 3]``: for the exact part, then per tier (the packed ones,
+    then the vq ones): pairs scored, pairs valued, tokens whose value bytes were read.
     """
+    if vq and select is not None:
+        raise ValueError("vq tiers are attended densely: the fused call takes no token selection with them")
     flat_exact = [t for seg in exact for t in seg]
     flat_tiers: list[torch.Tensor] = []
     info: list[int] = []
@@ -88,6 +99,14 @@ def layer_attention(
         flat_tiers.append(_EMPTY_F if rot is None else rot.float().contiguous())
         kbits, vbits = bits if isinstance(bits, tuple) else (bits, bits)
         info += [int(kbits), int(vbits), int(start), AFFINE_MODES[affine]]
+    flat_vq: list[torch.Tensor] = []
+    vq_info: list[int] = []
+    for fields, codec in vq:
+        k_idx, k_planes, k_book, k_mean, k_rms, v_idx, v_planes, v_book, v_rms, v_mean = kernel_operands(codec, fields)
+        rot = rotation(rows.shape[-1], rows.device).float().contiguous()
+        valid = fields["valid"].squeeze(1).contiguous()
+        flat_vq += [k_idx, k_book, k_mean, k_rms, v_idx, v_book, v_rms, v_mean, valid, rot]
+        vq_info += [*_padded(k_planes), *_padded(v_planes)]
     method = 0 if select is None else {"mass": 1, "quantile": 2}[select[0]]
     return tuple(
         _module().layer_attention(
@@ -95,8 +114,19 @@ def layer_attention(
             flat_exact,
             flat_tiers,
             info,
+            flat_vq,
+            vq_info,
+            fp8_values() if vq else _EMPTY_F,
             method,
             1.0 if select is None else float(select[1]),
             _EMPTY_L if select is None else select[2].to(torch.long).contiguous(),
         )
     )
+
+
+def _padded(planes) -> list[int]:
+    """A vq side's plane widths (:func:`kvtier.quant.planes`, one to three) as the kernel's 3 ints."""
+    widths = [int(w) for w in planes]
+    if not 1 <= len(widths) <= 3:
+        raise ValueError(f"vq indices in {len(widths)} bit planes; the fused kernel reads one to three")
+    return widths + [0] * (3 - len(widths))

@@ -31,7 +31,7 @@ from . import build
 
 @functools.lru_cache(maxsize=1)
 def _module():
-    return build.load("kvtier_vq_cpu_v2", "vq_attention.cpp", ["vq_attention"], ("-fno-math-errno",))
+    return build.load("kvtier_vq_cpu_v3", "vq_attention.cpp", ["vq_attention"], ("-fno-math-errno",))
 
 
 @functools.lru_cache(maxsize=1)

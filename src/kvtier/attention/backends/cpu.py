@@ -3,8 +3,8 @@
 
 :meth:`CpuBackend.tier` reads one packed tier (all blocks, listed blocks, or token selection in
 C++) and returns the kernel's work counts with the partial. :meth:`CpuBackend.layer` attends every
-segment of a layer - exact sinks and hot read in place, every packed tier, token selection and the
-merge - in one call. Exact segments alone are torch's (the plan pairs this backend with torch).
+segment of a layer - exact sinks and hot read in place, every packed tier (affine or vector codes),
+token selection and the merge - in one call. Exact segments alone are torch's (the plan pairs this backend with torch).
 """
 
 from __future__ import annotations
@@ -74,17 +74,21 @@ class CpuBackend(Backend):
         Parameters
         ----------
         exact : ``(k, v, allowed)`` per exact segment (``allowed`` bool ``[Bm, Rm, L]``).
-        tiers : ``(fields, codec, start)`` per packed tier, ``start`` its first token slot.
+        tiers : ``(fields, codec, start)`` per packed tier, ``start`` its first token slot; vq tiers
+            (dense selection only) are read by the same call.
         sel : dense or token selection (``forced_from`` per row).
 
         Returns
         -------
         ``out [B,H,R,D]`` merged, ``lse [B,H,R]``, and ``counts`` int64 ``[B*H, 1 + tiers, 3]``
-        (exact part first).
+        (exact part first, then the affine tiers in order, then the vq tiers).
         """
         D = rows.shape[-1]
         args = []
+        vq = [(f, c) for f, c, _ in tiers if isinstance(c, VqCodec)]
         for f, c, start in tiers:
+            if isinstance(c, VqCodec):
+                continue
             rot = rotation(D, rows.device) if c.rotate else None
             args.append(
                 (
@@ -96,4 +100,4 @@ class CpuBackend(Backend):
                 )
             )
         select = None if sel.kind == "dense" else (sel.method, sel.level, sel.forced_from)
-        return fused_cpu.layer_attention(rows, exact, args, select)
+        return fused_cpu.layer_attention(rows, exact, args, select, vq)

@@ -1,6 +1,7 @@
-// layer_attention: one decode step over a whole tiered layer (exact segments and packed tiers,
-// merged by log-sum-exp), built by kvtier/kernels/fused_cpu.py (which documents the arguments and
-// the per-tier path it replaces and is tested against).
+// layer_attention: one decode step over a whole tiered layer (exact segments, packed affine tiers
+// and vector-code tiers, merged by log-sum-exp), built by kvtier/kernels/fused_cpu.py (which
+// documents the arguments and the per-tier path it replaces and is tested against). A vq tier is
+// read by vq_tier.h's routine, the one the tier-alone vq kernel (vq_attention.cpp) runs.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -17,6 +18,7 @@
 
 #include "common.h"
 #include "numeric.h"
+#include "vq_tier.h"
 
 namespace {
 
@@ -364,10 +366,11 @@ std::vector<Tier> read_tiers(const std::vector<torch::Tensor>& tiers, const std:
 }
 
 // Sizes of one call: rows per KV head R, head dim D, tiers NT, exact tokens LE, and the largest tier's.
+// NT counts the affine tiers and the vq tiers (results of tier ti at index ti; the vq ones last).
 struct Shape {
   int64_t R, D, NT, LE = 0, maxN = 0, maxP = 0, maxT = 0, maxpos = 0, maxNG = 1;
-  Shape(int64_t R_, int64_t D_, const std::vector<Exact>& ex, const std::vector<Tier>& tv)
-      : R(R_), D(D_), NT((int64_t)tv.size()) {
+  Shape(int64_t R_, int64_t D_, const std::vector<Exact>& ex, const std::vector<Tier>& tv, int64_t nvq)
+      : R(R_), D(D_), NT((int64_t)tv.size() + nvq) {
     for (const auto& t : tv) {
       maxN = std::max(maxN, t.n * t.T);
       maxP = std::max(maxP, std::max(t.ks.P, t.vs.P));
@@ -393,14 +396,14 @@ struct Work {
   std::vector<float> se, kf, eacc, emax, esum;
   std::vector<float> sc, e, qs, qr;
   std::vector<float> ka, kb, bias, uf, u, vacc, zacc, tacc;
-  std::vector<float> tlse, tkept, tout, tmp;
+  std::vector<float> tlse, tkept, tout, tmp, mo;
   std::vector<int> bk;
   std::vector<uint8_t> ct, anyrow;
   explicit Work(const Shape& S)
       : se(S.R * std::max<int64_t>(S.LE, 1)), kf(S.D), eacc(S.R * S.D), emax(S.R), esum(S.R),
         sc(S.R * std::max<int64_t>(S.maxN, 1)), e(std::max<int64_t>(S.maxN, 1)), qs(S.R * S.maxpos), qr(S.R * S.D),
         ka(S.D), kb(S.D), bias(S.R), uf(S.maxT), u(S.maxpos), vacc(S.R * S.maxpos), zacc(S.R * S.maxNG),
-        tacc(S.R * S.D), tlse(S.R * S.NT), tkept(S.R * S.NT), tout(S.NT * S.R * S.D),
+        tacc(S.R * S.D), tlse(S.R * S.NT), tkept(S.R * S.NT), tout(S.NT * S.R * S.D), mo(S.R),
         bk(std::max<int64_t>(S.maxN, 1)), ct(S.maxP * S.maxT), anyrow(std::max<int64_t>(S.maxN, 1)) {}
 };
 
@@ -476,15 +479,15 @@ int64_t exact_values(const std::vector<Exact>& ex, int64_t b, int64_t h, const S
 
 // --- packed_partial (kvtier.attention.partials): one packed tier of one (batch, KV head) ---
 
-// The rows in the tier's rotated basis (q @ rot), or the rows themselves when it has no rotation.
-const float* rotate_rows(const Tier& t, const float* qb, const Shape& S, Work& w) {
-  if (!t.rot) return qb;
+// The rows in a tier's rotated basis (q @ rot), or the rows themselves when it has no rotation.
+const float* rotate_rows(const float* rot, const float* qb, const Shape& S, Work& w) {
+  if (!rot) return qb;
   const int64_t R = S.R, D = S.D;
   std::fill(w.qr.begin(), w.qr.end(), 0.f);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < D; ++j) {  // qr[r] += q[r, j] * rot[j, :]
       const float qj = qb[r * D + j];
-      const float* rj = t.rot + j * D;
+      const float* rj = rot + j * D;
       float* dst = w.qr.data() + r * D;
 #pragma omp simd
       for (int64_t c = 0; c < D; ++c) dst[c] += qj * rj[c];
@@ -704,6 +707,16 @@ void weighted_values(const Tier& t, int64_t bh, const Shape& S, Work& w, int64_t
   }
 }
 
+// tout[ti, r] = tacc[r] in channel order: tacc @ rot^T, or tacc itself when rot is null.
+void rotate_back(const float* rot, int64_t ti, const Shape& S, Work& w) {
+  const int64_t R = S.R, D = S.D;
+  for (int64_t r = 0; r < R; ++r) {
+    float* dst = w.tout.data() + (ti * R + r) * D;
+    if (!rot) { std::copy(w.tacc.data() + r * D, w.tacc.data() + (r + 1) * D, dst); continue; }
+    for (int64_t c = 0; c < D; ++c) dst[c] = dot_n(w.tacc.data() + r * D, rot + c * D, D);  // out @ rot^T
+  }
+}
+
 // The tier's normalized output tout[ti, r] in channel order (rotated back: out @ rot^T).
 void tier_output(const Tier& t, int64_t ti, const Shape& S, Work& w) {
   const int64_t R = S.R, D = S.D, NG = t.NG;
@@ -720,10 +733,60 @@ void tier_output(const Tier& t, int64_t ti, const Shape& S, Work& w) {
     const float inv = 1.f / kept;
     for (int64_t c = 0; c < D; ++c) dst[c] = (dst[c] + w.zacc[r * NG + c / t.G]) * inv;
   }
+  rotate_back(t.rot, ti, S, w);
+}
+
+// --- vq_partial (kvtier.attention.partials): one vq tier of one (batch, KV head) ---
+
+// A vq tier and its rotation [D, D] (its codes are of x @ rot).
+struct VqTier {
+  vq::Tier t;
+  const float* rot;
+};
+
+// The vq tiers: 10 tensors per tier (kvtier.codecs.vq.kernel_operands' tensors, valid [B,n,T],
+// rot [D,D]) and 6 ints of vq_info (the key then the value indices' plane widths, 0-padded to 3).
+std::vector<VqTier> read_vq(const std::vector<torch::Tensor>& vqt, const std::vector<int64_t>& vq_info,
+                            const torch::Tensor& fp8, int64_t B, int64_t H, int64_t D) {
+  std::vector<VqTier> out;
+  for (size_t s = 0; s < vqt.size() / 10; ++s) {
+    const torch::Tensor* f = &vqt[10 * s];
+    std::vector<int64_t> kp, vp;
+    for (int i = 0; i < 3; ++i) {
+      if (vq_info[6 * s + i]) kp.push_back(vq_info[6 * s + i]);
+      if (vq_info[6 * s + 3 + i]) vp.push_back(vq_info[6 * s + 3 + i]);
+    }
+    TORCH_CHECK(f[9].dtype() == torch::kFloat32 && f[9].is_contiguous() && f[9].numel() == D * D,
+                "vq rotation: contiguous float32 [D,D]");
+    out.push_back({vq::read_tier(f[0], kp, f[1], f[2], f[3], f[4], vp, f[5], f[6], f[7], f[8], fp8, B, H, D),
+                   f[9].data_ptr<float>()});
+  }
+  return out;
+}
+
+// tout[ti] and tlse[ti] (tkept 1 where anything is valid) of rows qb over vq tier x, per group of
+// vq::G rows; ctn: pairs scored, pairs valued, tokens whose value codes were read.
+void vq_tier_output(const VqTier& x, int64_t ti, int64_t bh, int64_t b, const float* qb, const Shape& S, Work& w,
+                    vq::Work& vw, int64_t* ctn) {
+  const int64_t R = S.R, D = S.D;
+  const float* qt = rotate_rows(x.rot, qb, S, w);
+  float* tl = w.tlse.data() + ti * R;
+  std::fill(tl, tl + R, NEG);
+  std::fill(w.tacc.begin(), w.tacc.begin() + R * D, 0.f);
+  std::fill(w.mo.begin(), w.mo.end(), 0.f);
+  int64_t read = 0;
+  for (int64_t r0 = 0; r0 < R; r0 += vq::G)
+    read = vq::attend(x.t, bh, b, qt + r0 * D, std::min(vq::G, R - r0), D, vw, w.tacc.data() + r0 * D,
+                      w.mo.data() + r0, tl + r0);
+  ctn[0] += read * R;
+  ctn[1] += read * R;
+  ctn[2] += read;
+  rotate_back(x.rot, ti, S, w);
   for (int64_t r = 0; r < R; ++r) {
+    w.tkept[ti * R + r] = tl[r] == NEG ? 0.f : 1.f;
     float* dst = w.tout.data() + (ti * R + r) * D;
-    if (!t.rot) { std::copy(w.tacc.data() + r * D, w.tacc.data() + (r + 1) * D, dst); continue; }
-    for (int64_t c = 0; c < D; ++c) dst[c] = dot_n(w.tacc.data() + r * D, t.rot + c * D, D);  // out @ rot^T
+#pragma omp simd
+    for (int64_t c = 0; c < D; ++c) dst[c] += w.mo[r];  // the values' token means, one per row
   }
 }
 
@@ -762,20 +825,30 @@ void merge(const Shape& S, const Work& w, float* o, float* ls) {
 // mask bool [Bm,Rm,L] (Bm in {1,B}, Rm in {1,R}). tiers: 8 tensors per tier: k_codes [B,H,n,T,P],
 // k_scale, k_zero (or k_mean) [B,H,n,1,D], v_codes, v_scale, v_zero (or v_mean) [B,H,n,T,NG],
 // valid [B,n,T], rot ([D,D] or empty); tier_info: (key bits, value bits, start, affine mode) per tier.
-// Returns out [B,H,R,D] (normalized, merged), lse [B,H,R], counts int64 [B*H, 1 + ntiers, 3].
+// vq_tiers: 10 tensors per vq tier (k_idx, k_book, k_mean, k_rms, v_idx, v_book, v_rms, v_mean as
+// kvtier.codecs.vq.kernel_operands gives them, valid [B,n,T], rot [D,D]); vq_info: 6 ints per vq
+// tier (key, then value plane widths, 0-padded); fp8: the vq parameters' 256 byte values.
+// Returns out [B,H,R,D] (normalized, merged), lse [B,H,R], counts int64 [B*H, 1 + ntiers, 3]
+// (the affine tiers, then the vq tiers).
 //
 // Per (batch, KV head): exact_partial (scores, softmax, values), then per tier packed_partial
-// (rotate_rows, key_scores, block_softmax with select_tokens, weighted_values, tier_output), then merge.
+// (rotate_rows, key_scores, block_softmax with select_tokens, weighted_values, tier_output), per vq
+// tier vq_tier_output, then merge.
 std::vector<torch::Tensor> layer_attention(
     torch::Tensor rows, std::vector<torch::Tensor> exact, std::vector<torch::Tensor> tiers,
-    std::vector<int64_t> tier_info, int64_t sel_method, double sel_level, torch::Tensor forced_from) {
+    std::vector<int64_t> tier_info, std::vector<torch::Tensor> vq_tiers, std::vector<int64_t> vq_info,
+    torch::Tensor fp8, int64_t sel_method, double sel_level, torch::Tensor forced_from) {
   TORCH_CHECK(rows.dtype() == torch::kFloat32 && rows.is_contiguous(), "rows: contiguous float32");
-  TORCH_CHECK(exact.size() % 3 == 0 && tiers.size() % 8 == 0 && tier_info.size() * 8 == tiers.size() * 4,
-              "exact: 3 tensors per segment, tiers: 8 per tier, tier_info: 4 per tier");
+  TORCH_CHECK(exact.size() % 3 == 0 && tiers.size() % 8 == 0 && tier_info.size() * 8 == tiers.size() * 4 &&
+                  vq_tiers.size() % 10 == 0 && vq_info.size() * 10 == vq_tiers.size() * 6,
+              "exact: 3 tensors per segment, tiers: 8 per tier, tier_info: 4 per tier, vq_tiers: 10 and vq_info: 6 per vq tier");
+  TORCH_CHECK(vq_tiers.empty() || sel_method == 0, "vq tiers are attended densely: no token selection");
   const int64_t B = rows.size(0), H = rows.size(1), R = rows.size(2), D = rows.size(3);
   const std::vector<Exact> ex = read_exact(exact, D);
   const std::vector<Tier> tv = read_tiers(tiers, tier_info, D);
-  const Shape S(R, D, ex, tv);
+  const std::vector<VqTier> vt = read_vq(vq_tiers, vq_info, fp8, B, H, D);
+  const int64_t NA = (int64_t)tv.size();
+  const Shape S(R, D, ex, tv, (int64_t)vt.size());
   const int64_t NT = S.NT;
   const Select sel{sel_method, sel_level, sel_method ? forced_from.data_ptr<int64_t>() : nullptr, std::log(2.0f)};
   const float* q = rows.data_ptr<float>();
@@ -788,6 +861,8 @@ std::vector<torch::Tensor> layer_attention(
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     Work w(S);
+    std::vector<vq::Work> vw;
+    for (const auto& x : vt) vw.emplace_back(x.t, D);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       const float* qb = q + bh * R * D;
@@ -797,15 +872,17 @@ std::vector<torch::Tensor> layer_attention(
       exact_softmax(S, w);
       cn[2] += exact_values(ex, b, h, S, w);
       // 2-4. packed tiers
-      for (int64_t ti = 0; ti < NT; ++ti) {
+      for (int64_t ti = 0; ti < NA; ++ti) {
         const Tier& t = tv[ti];
         int64_t* ctn = cn + (1 + ti) * 3;
-        const float* qt = rotate_rows(t, qb, S, w);
+        const float* qt = rotate_rows(t.rot, qb, S, w);
         key_scores(t, bh, b, qt, S, w);
         block_softmax(t, ti, S, sel, w, ctn);
         weighted_values(t, bh, S, w, ctn);
         tier_output(t, ti, S, w);
       }
+      for (int64_t vi = 0; vi < NT - NA; ++vi)
+        vq_tier_output(vt[vi], NA + vi, bh, b, qb, S, w, vw[vi], cn + (1 + NA + vi) * 3);
       // 5. log-sum-exp merge of the exact part and the tiers
       merge(S, w, o + bh * R * D, ls + bh * R);
     }
