@@ -21,6 +21,11 @@ Formats (all on Hadamard-rotated coordinates, :func:`kvtier.quant.rotation`):
 * ``vq``: the same normalization, then 4-dimensional vector codes: a k-means codebook of
   ``2**(4 w)`` centers fitted once to N(0, I_4) samples (seeded; model-independent, no
   calibration), nearest center per 4 coordinates.
+* ``q`` / ``qr``: llama.cpp's ``q{w}_0`` KV-cache type (``q4_0`` at width 4: what
+  ``--cache-type-k/-v q4_0`` stores): every token's head-dim row in blocks of 32, one fp16 scale
+  ``d = m / -2**(w-1)`` per block (``m`` the block's value of largest magnitude, sign kept), codes
+  ``round(x / d) + 2**(w-1)`` clamped to ``[0, 2**w)``; ``w + 0.5`` bits per element. ``q`` codes
+  the raw coordinates (as llama.cpp does), ``qr`` the Hadamard-rotated ones ("q4_0 with rotation").
 
 A name ``fmt:K/V`` sets the key and value widths (``vq:3/2``); ``--ring`` the exact recent tokens.
 
@@ -48,7 +53,9 @@ from kvtier.models import load_model
 from kvtier.quant import quantize_ab, rotation
 
 F8 = torch.float8_e4m3fn
-META_BITS = 0.25  # every format: two 8-bit parameters per 64 elements
+#: parameter bits per element: two 8-bit parameters per 64 elements; llama.cpp's one fp16 per 32
+META_BITS = {"ab": 0.25, "lm": 0.25, "vq": 0.25, "q": 0.5, "qr": 0.5}
+Q_BLOCK = 32  # llama.cpp's QK4_0 (and QK8_0): elements per scale
 
 
 def _f8(x: torch.Tensor) -> torch.Tensor:
@@ -112,14 +119,32 @@ def _code_unit(z: torch.Tensor, fmt: str, bits: int) -> torch.Tensor:
     return c[_nearest(flat, c)].reshape(z.shape)
 
 
+def q_0(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """llama.cpp's ``q{bits}_0`` coded and decoded over the last axis (a multiple of 32): per block of
+    32, ``d = m / -2**(bits-1)`` (stored in fp16) with ``m`` the entry of largest magnitude (its sign kept),
+    codes ``floor(x / d + 2**(bits-1) + 0.5)`` clamped to ``[0, 2**bits)`` (``quantize_row_q4_0_ref``'s
+    rule at width 4), decoded as ``(code - 2**(bits-1)) * d``."""
+    half = 1 << (bits - 1)
+    xb = x.float().reshape(*x.shape[:-1], -1, Q_BLOCK)
+    m = xb.gather(-1, xb.abs().argmax(-1, keepdim=True))
+    d = m / -half
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))  # from the fp32 scale, as llama.cpp
+    q = (xb * inv + (half + 0.5)).floor().clamp(0, 2 * half - 1)
+    return ((q - half) * d.half().float()).reshape(x.shape)  # the stored fp16 scale
+
+
 def code(x: torch.Tensor, fmt: str, bits: int, block: int | None = None) -> torch.Tensor:
     """Rows ``x: [B, H, N, D]`` rotated, coded, decoded and rotated back. Keys (``block`` given,
     ``N`` a multiple of it): parameters per channel over each block's tokens; values (``block``
     None): per token over the head dim. Either way the parameters run over axis 3 of the (blocked)
     rotated tensor; the RMS scale of ``lm`` / ``vq`` is per token."""
     B, H, N, D = x.shape
+    if fmt == "q":  # llama.cpp: raw coordinates, per token
+        return q_0(x, bits).to(x.dtype)
     r = rotation(D)
     xr = x.float() @ r
+    if fmt == "qr":
+        return (q_0(xr, bits) @ r.T).to(x.dtype)
     if block is not None:
         xr = xr.reshape(B, H, N // block, block, D)
     if fmt == "ab":
@@ -159,8 +184,8 @@ class CodedSpec(CacheSpec):
         super().__init__(name)
         fmt, _, widths = name.partition(":")
         kb, _, vb = widths.partition("/")
-        if fmt not in ("ab", "lm", "vq") or kb not in ("1", "2", "3", "4") or vb not in ("1", "2", "3", "4"):
-            raise ValueError(f"{name!r}: expected ab|lm|vq:K/V with widths 1..4")
+        if fmt not in META_BITS or kb not in ("1", "2", "3", "4") or vb not in ("1", "2", "3", "4"):
+            raise ValueError(f"{name!r}: expected {'|'.join(META_BITS)}:K/V with widths 1..4")
         kb, vb = int(kb), int(vb)
         self.args = (fmt, kb, vb, sinks, ring, block)
 
@@ -177,7 +202,7 @@ def plot(paths: list[str]) -> Path:
 
     docs = [json.loads(Path(p).read_text()) for p in sorted(paths)]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    marks = {"ab": "o", "lm": "s", "vq": "^"}
+    marks = {"ab": "o", "lm": "s", "vq": "^", "q": "x", "qr": "D"}
     for i, doc in enumerate(docs):
         for fmt, mark in marks.items():
             pts = sorted((r["code_bits"], r["kl"]) for n, r in doc["rows"].items() if n.startswith(fmt + ":"))
@@ -186,7 +211,7 @@ def plot(paths: list[str]) -> Path:
                     *zip(*pts),
                     marker=mark,
                     color=f"C{i}",
-                    linestyle={"ab": "-", "lm": ":", "vq": "--"}[fmt],
+                    linestyle={"ab": "-", "lm": ":", "vq": "--", "q": "-.", "qr": "-."}[fmt],
                     label=f"{fmt} {doc['book']} {doc['length']}",
                 )
     ax.axhline(0.01, color="grey", linewidth=0.8)
@@ -238,7 +263,7 @@ def main() -> None:
     for s in specs:
         sc = scores[s.name]
         fmt, kb, vb = s.args[:3]
-        code_bits = (kb + vb) / 2 + META_BITS
+        code_bits = (kb + vb) / 2 + META_BITS[fmt]
         rows[s.name] = {
             "dppl": sc.ppl / full.ppl - 1,
             "kl": sc.mean_kl,
