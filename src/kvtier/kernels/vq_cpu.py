@@ -13,8 +13,9 @@ reference is
 :func:`kvtier.attention.partials.vq_partial` (and :func:`~kvtier.attention.partials.chunked_partial`).
 Dense selection only (a vq policy has no sparse attention).
 
-The C++ is ``csrc/vq_attention.cpp``, built by :mod:`kvtier.kernels.build`. Imports torch, ``.build``,
-``kvtier.codecs`` and ``kvtier.quant``.
+The C++ is ``csrc/vq_attention.cpp`` around ``csrc/vq_tier.h`` (the routine per head and group of
+rows, which the fused layer call, :mod:`kvtier.kernels.fused_cpu`, runs too), built by
+:mod:`kvtier.kernels.build`. Imports torch, ``.build``, ``kvtier.codecs`` and ``kvtier.quant``.
 """
 
 from __future__ import annotations
