@@ -200,20 +200,23 @@ def plot(paths: list[str]) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    docs = [json.loads(Path(p).read_text()) for p in sorted(paths)]
+    docs = sorted((json.loads(Path(p).read_text()) for p in sorted(paths)), key=lambda d: -len(d["rows"]))
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     marks = {"ab": "o", "lm": "s", "vq": "^", "q": "x", "qr": "D"}
+    labels: set[str] = set()
     for i, doc in enumerate(docs):
         for fmt, mark in marks.items():
             pts = sorted((r["code_bits"], r["kl"]) for n, r in doc["rows"].items() if n.startswith(fmt + ":"))
             if pts:
+                label = f"{fmt} {doc['book']} {doc['length']}"
                 ax.plot(
                     *zip(*pts),
                     marker=mark,
                     color=f"C{i}",
                     linestyle={"ab": "-", "lm": ":", "vq": "--", "q": "-.", "qr": "-."}[fmt],
-                    label=f"{fmt} {doc['book']} {doc['length']}",
+                    label=None if label in labels else label,  # a run re-measuring a point: no second entry
                 )
+                labels.add(label)
     ax.axhline(0.01, color="grey", linewidth=0.8)
     ax.text(2.3, 0.0105, "issue 17's KL target", color="grey", fontsize=8)
     # what bits=2.5 leaves at 8k after the runs' exact sinks and ring (fp16)
