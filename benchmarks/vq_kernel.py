@@ -61,9 +61,13 @@ def main() -> None:
     rows = torch.randn(1, H, R, D, generator=g) * D**-0.5
     backend = CpuBackend()
 
-    def tier(codec, fused=False):
+    def stored(codec) -> dict:
         f = codec.encode(k, v, valid)
         f["valid"] = valid
+        return f
+
+    def tier(codec, fused=False):
+        f = stored(codec)
         if fused:  # the decode path's whole-layer call, here with this one segment
             return lambda: backend.layer(rows, [], [(f, codec, 0)])
         return lambda: backend.tier(rows, f, codec, D)
@@ -76,13 +80,14 @@ def main() -> None:
         "exact-bf16": lambda: flash(qx, kx, vx, 0.0, False, scale=1.0),
         "affine3": tier(make_codecs(get_policy("default"), D)[1], fused=True),
     }
+    layer_tier = None  # the first vq pair's codec and stored tier, for the layer rows
     for pair in args.vq.split(","):
         kb, vb = (int(x) for x in pair.split("/"))
-        calls[f"vq{kb}/{vb}"] = tier(VqCodec(kb, vb, D))
-    kb, vb = (int(x) for x in args.vq.split(",")[0].split("/"))
-    vq_codec = VqCodec(kb, vb, D)
-    fv = vq_codec.encode(k, v, valid)
-    fv["valid"] = valid
+        codec = VqCodec(kb, vb, D)
+        f = stored(codec)
+        layer_tier = layer_tier or (codec, f)
+        calls[f"vq{kb}/{vb}"] = lambda f=f, codec=codec: backend.tier(rows, f, codec, D)
+    vq_codec, fv = layer_tier
     hot = [(kx[:, :, : args.hot], vx[:, :, : args.hot], torch.ones(1, 1, args.hot, dtype=torch.bool))]
     calls["layer-vq-fused"] = lambda: backend.layer(rows, hot, [(fv, vq_codec, 0)])
     calls["layer-vq-apart"] = lambda: merge(
