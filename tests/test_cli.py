@@ -48,6 +48,50 @@ def test_plan_largest_allowed_input_still_plans(capsys):
     assert data["seq_len"] == 1 << 24 and data["total_bytes"] < data["fp16_bytes"]
 
 
+def test_plan_prices_the_variants_eval_names(capsys):
+    """``kvtier plan --policy`` takes the names ``kvtier eval --caches`` takes (one parser,
+    :func:`kvtier.policy.get_policy`), several at once; each row is the estimate of that policy."""
+    from kvtier.policy import get_policy
+    from kvtier.sizing import estimate
+
+    names = ["adaptive@3.0:codes=vq", "default:vq3/2", "default:dense", "adaptive@2:keep=0.25"]
+    assert (
+        main(["plan", "--model", "qwen2.5-coder-1.5b", "--seq-len", "8192", "--policy", ",".join(names), "--json"]) == 0
+    )
+    out = capsys.readouterr().out.strip().splitlines()
+    data = json.loads(out[-1])
+    assert list(data["policies"]) == names and data["policy"] == names[0]
+    for n in names:
+        assert data["policies"][n] == estimate("qwen2.5-coder-1.5b", 8192, get_policy(n)).to_dict()
+        assert any(line.startswith(n + " ") for line in out)  # a table row per name, the column wide enough
+    p = get_policy("adaptive@3.0:codes=vq")
+    assert (p.name, p.adaptive.bits, p.adaptive.codes) == ("adaptive@3.0:codes=vq", 3.0, "vq")
+    q = get_policy("default:vq3/2")
+    assert (q.cold_codes, q.cold_bits, q.cold_value_bits, q.sparse) == ("vq", 3, 2, None)
+    # --bits sets the budget of a preset name, and is refused beside a name that states one
+    assert (
+        main(["plan", "--model", "smollm2-135m", "--seq-len", "4096", "--policy", "adaptive", "--bits", "3", "--json"])
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["policy"] == "adaptive@3"
+    assert main(["plan", "--model", "smollm2-135m", "--seq-len", "8", "--policy", "adaptive@2.5", "--bits", "3"]) == 2
+    assert _one_line_error(capsys) == "kvtier plan: --bits 3 and the budget in --policy adaptive@2.5: give one of them"
+    assert main(["plan", "--model", "smollm2-135m", "--seq-len", "8", "--policy", "default,nope"]) == 2
+    assert _one_line_error(capsys).startswith("kvtier plan: policy='nope' is not allowed: expected one of ['adaptive'")
+    assert main(["plan", "--model", "smollm2-135m", "--seq-len", "8", "--policy", "adaptive@2.5:codes=pq"]) == 2
+    assert _one_line_error(capsys).startswith("kvtier plan: codes='pq' is not allowed")
+
+
+def test_tiered_cache_takes_a_variant_name():
+    from kvtier import TieredCache
+    from kvtier.eval.caches import cache_spec
+    from kvtier.testing import tiny_llama_config
+
+    cache = TieredCache(tiny_llama_config(), "adaptive@2.5:codes=vq")
+    assert cache.policy == cache_spec("adaptive@2.5:codes=vq").policy
+    assert cache.policy.adaptive.codes == "vq" and cache.policy.name == "adaptive@2.5:codes=vq"
+
+
 def test_eval_missing_text_is_one_line(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["eval", "ppl", "--text", "missing.txt"]) == 2

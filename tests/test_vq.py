@@ -380,7 +380,7 @@ def test_eval_cache_names_select_vq_cold_codes():
     p = cache_spec("default:vq3/2").policy
     assert (p.cold_codes, p.cold_bits, p.cold_value_bits, p.sparse, p.name) == ("vq", 3, 2, None, "default:vq3/2")
     assert cache_spec("default:vq2").policy.cold_value_bits is None
-    with pytest.raises(ValueError, match=r"^cache 'default:vqx' is not allowed: expected <preset>:vq<key bits>"):
+    with pytest.raises(ValueError, match=r"^'default:vqx' is not allowed: expected <preset>:vq<key bits>"):
         cache_spec("default:vqx")
     with pytest.raises(ValueError, match=r"^cold_bits=5 is not allowed"):
         cache_spec("default:vq5")

@@ -100,35 +100,39 @@ def _bytes(text: str) -> int:
 
 # --- plan -------------------------------------------------------------------------------------
 def cmd_plan(args: argparse.Namespace) -> int:
+    from .policy import get_policy
     from .sizing import capped_tokens, estimate, format_estimates, model_shape
 
     shape = model_shape(args.model)
-    names: list[Any] = list(PRESETS) if args.policy == "all" else [args.policy]
-    if args.bits is not None:  # the adaptive policy at this budget (bits per element, everything included)
+    names = list(PRESETS) if args.policy == "all" else [n.strip() for n in args.policy.split(",")]
+    policies = [get_policy(n) for n in names]  # every name checked before anything is computed
+    if args.bits is not None:  # the adaptive policies at this budget (bits per element, everything included)
         import dataclasses
 
-        from .policy import get_policy
-
-        adaptive = [n for n in names if get_policy(n).adaptive is not None]
+        adaptive = [i for i, p in enumerate(policies) if p.adaptive is not None]
         if not adaptive:
-            raise ValueError(f"--bits prices an adaptive policy; --policy {args.policy} is not one")
-        for n in adaptive:
-            p = get_policy(n)
-            names[names.index(n)] = p.replace(
-                adaptive=dataclasses.replace(p.adaptive, bits=args.bits), name=f"{n}@{args.bits:g}"
+            raise ValueError(f"--bits prices an adaptive policy; --policy {args.policy} has none")
+        for i in adaptive:
+            p = policies[i]
+            if "@" in names[i]:
+                raise ValueError(f"--bits {args.bits:g} and the budget in --policy {names[i]}: give one of them")
+            assert p.adaptive is not None
+            policies[i] = p.replace(
+                adaptive=dataclasses.replace(p.adaptive, bits=args.bits), name=f"{names[i]}@{args.bits:g}"
             )
-    plans = [estimate(shape, args.seq_len, name, args.batch, args.dtype) for name in names]
+    plans = [estimate(shape, args.seq_len, p, args.batch, args.dtype) for p in policies]
     capped: dict[str, int] = {}
     if args.max_bytes is not None:  # everything is computed (and checked) before anything is printed
         capped = {
-            p.policy: capped_tokens(shape, args.max_bytes, n, args.batch, args.dtype) for p, n in zip(plans, names)
+            p.policy: capped_tokens(shape, args.max_bytes, q, args.batch, args.dtype) for p, q in zip(plans, policies)
         }
     print(format_estimates(shape, plans))
     if args.max_bytes is not None:
         print(f"\nunder max_bytes={args.max_bytes:,} (TieredCache(..., max_bytes=N)): tokens per row that fit")
+        w = max(16, *(len(p.policy) + 2 for p in plans))  # the table's policy column
         for p in plans:
             verdict = "fits" if p.total_bytes <= args.max_bytes else "on_full='error' raises, 'evict' keeps ~this many"
-            print(f"{p.policy:<16}{capped[p.policy]:>12,}  {verdict} at --seq-len {args.seq_len:,}")
+            print(f"{p.policy:<{w}}{capped[p.policy]:>12,}  {verdict} at --seq-len {args.seq_len:,}")
     if args.json:
         chosen = plans[0] if args.policy != "all" else plans[list(PRESETS).index("default")]
         out: dict[str, Any] = {
@@ -499,7 +503,12 @@ def _add_plan(sub: Any) -> None:
     p = sub.add_parser("plan", help="bytes per tier for a model, sequence length and policy")
     p.add_argument("--model", required=True, help="built-in name or path to config.json")
     p.add_argument("--seq-len", type=_positive, required=True)
-    p.add_argument("--policy", default="all", choices=["all", *PRESETS])
+    p.add_argument(
+        "--policy",
+        default="all",
+        help="all (every preset; the default), or comma-separated presets or preset variants as kvtier eval names "
+        "them: adaptive@2.5:codes=vq, default:vq3/3, default:dense, ...",
+    )
     p.add_argument("--batch", type=_positive, default=1)
     p.add_argument("--dtype", type=_dtype, default=torch.float16, help="model dtype (default float16)")
     p.add_argument(

@@ -784,10 +784,86 @@ PRESETS: dict[str, _Preset] = {
 }
 
 
+#: The forms of a preset variant's name (:func:`get_policy`), as the one-line errors show them.
+VARIANT_FORMS = (
+    "adaptive@<bits>[:keep=<f>][:fit_tokens=<n>][:warmup_tokens=<n>][:sinks=<n>][:codes=vq|affine+vq]",
+    "<preset>:vq<key bits>[/<value bits>]",
+    "<preset>:dense",
+)
+
+
 def get_policy(policy: str | TierPolicy) -> TierPolicy:
-    """A preset by name, or the policy itself."""
+    """A preset by name, a preset variant by name, or the policy itself.
+
+    A variant's name is the policy's name too (what ``kvtier eval --caches``, ``kvtier plan
+    --policy`` and ``TieredCache(config, name)`` take alike):
+
+    * ``adaptive@<bits>[:keep=<f>][:fit_tokens=<n>][:warmup_tokens=<n>][:sinks=<n>][:codes=<c>]`` -
+      the ``adaptive`` preset at a budget of ``bits`` per element, :class:`AdaptivePolicy` fields
+      (``sinks``: the policy's ``sink_tokens``), e.g. ``adaptive@2.5:codes=vq``;
+    * ``<preset>:vq<k>[/<v>]`` - the preset with its cold tier in vector codes of ``k``-bit keys and
+      ``v``-bit values (sparse decode attention off: vq tiers are read whole), e.g. ``default:vq3/3``;
+    * ``<preset>:dense`` - the preset with sparse decode attention off.
+
+    Raises
+    ------
+    ValueError : an unknown name, or a variant whose fields do not parse or do not validate.
+    """
     if isinstance(policy, TierPolicy):
         return policy
-    if not isinstance(policy, str) or policy not in PRESETS:
-        raise ValueError(f"policy={policy!r} is not allowed: expected one of {sorted(PRESETS)} or a TierPolicy")
-    return PRESETS[policy][1]()
+    if isinstance(policy, str):
+        if policy in PRESETS:
+            return PRESETS[policy][1]()
+        variant = preset_variant(policy)
+        if variant is not None:
+            return variant
+    raise ValueError(
+        f"policy={policy!r} is not allowed: expected one of {sorted(PRESETS)}, a variant "
+        f"({' | '.join(VARIANT_FORMS)}) or a TierPolicy"
+    )
+
+
+def preset_variant(name: str) -> TierPolicy | None:
+    """The preset variant ``name`` names (forms: :func:`get_policy`), or None when ``name`` has no
+    variant's form.
+
+    Raises
+    ------
+    ValueError : a variant's form whose fields do not parse or do not validate.
+    """
+    if name.startswith("adaptive@"):
+        bits_s, _, opts = name.removeprefix("adaptive@").partition(":")
+        fields: dict[str, object] = {}
+        policy_fields: dict[str, object] = {}
+        try:
+            bits = float(bits_s)
+            for item in filter(None, opts.split(":")):
+                key, _, value = item.partition("=")
+                if key == "sinks":  # the policy's exact sink tokens (the rest are AdaptivePolicy fields)
+                    policy_fields["sink_tokens"] = int(value)
+                elif key in ("keep", "fit_tokens", "warmup_tokens"):
+                    fields[key] = float(value) if key == "keep" else int(value)
+                elif key == "codes":
+                    fields[key] = value
+                else:
+                    raise ValueError(key)
+        except ValueError:
+            raise ValueError(
+                f"{name!r} is not allowed: expected {VARIANT_FORMS[0]}, e.g. adaptive@2.5 or adaptive@2.5:keep=0.5"
+            ) from None
+        p = PRESETS["adaptive"][1]()
+        assert p.adaptive is not None
+        adaptive = dataclasses.replace(p.adaptive, bits=bits, **fields)  # type: ignore[arg-type]
+        return p.replace(adaptive=adaptive, name=name, **policy_fields)
+    base, _, path = name.partition(":")
+    if base not in PRESETS:
+        return None
+    if path == "dense":
+        return PRESETS[base][1]().replace(sparse=None, name=name)
+    if path.startswith("vq"):  # its cold tier in vector codes
+        kb, _, vb = path.removeprefix("vq").partition("/")
+        if not (kb.isdigit() and (vb == "" or vb.isdigit())):
+            raise ValueError(f"{name!r} is not allowed: expected {VARIANT_FORMS[1]}, e.g. default:vq3/2")
+        vq = {"cold_codes": "vq", "cold_bits": int(kb), "cold_value_bits": int(vb) if vb else None}
+        return PRESETS[base][1]().replace(sparse=None, name=name, **vq)
+    return None

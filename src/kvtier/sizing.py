@@ -330,7 +330,8 @@ def capped_tokens(
 def format_estimates(shape: ModelShape, plans: list[Estimate]) -> str:
     """A readable table of plans (GB = 1e9 bytes)."""
     gb = 1e9
-    head = f"{'policy':<16}" + "".join(f"{t:>10}" for t in _TABLE) + f"{'total GB':>11}{'vs fp16':>9}{'resident':>10}"
+    w = max(16, *(len(p.policy) + 2 for p in plans))
+    head = f"{'policy':<{w}}" + "".join(f"{t:>10}" for t in _TABLE) + f"{'total GB':>11}{'vs fp16':>9}{'resident':>10}"
     lines = [
         f"{shape.name}: {shape.num_layers} layers x {shape.kv_heads} KV heads x head_dim {shape.head_dim}, "
         f"{plans[0].seq_len} tokens x batch {plans[0].batch}",
@@ -341,7 +342,7 @@ def format_estimates(shape: ModelShape, plans: list[Estimate]) -> str:
     for p in plans:
         row = "".join(f"{p.per_tier.get(t, 0) / gb:>10.3f}" for t in _TABLE)
         resident = p.resident_bytes / p.fp16_bytes
-        lines.append(f"{p.policy:<16}{row}{p.total_bytes / gb:>11.3f}{p.ratio:>9.3f}{resident:>10.3f}")
+        lines.append(f"{p.policy:<{w}}{row}{p.total_bytes / gb:>11.3f}{p.ratio:>9.3f}{resident:>10.3f}")
     return "\n".join(lines)
 
 

@@ -7,11 +7,12 @@ kvtier preset (``default``, ``kivi2``, ``sink-window``, ...) is a :class:`~kvtie
 A :class:`~kvtier.TierPolicy` object is accepted too (sweeps). A preset name with the suffix
 ``:reference`` runs kvtier's reference attention (every tier decoded, one SDPA call) instead of
 the fast path, e.g. ``default:reference``, and ``:per-tier`` the fast path without the fused
-whole-layer decode kernel (one partial per tier, merged in torch); the suffix ``:dense`` runs the preset without its
-sparse attention (``default:dense``), the baseline the sparsity is measured against. ``adaptive@B``
-is the ``adaptive`` preset at a budget of ``B`` bits per element (e.g. ``adaptive@2.5``), with
-optional fields of its :class:`~kvtier.policy.AdaptivePolicy` after a colon
-(``adaptive@2.5:keep=0.5:fit_tokens=4096``).
+whole-layer decode kernel (one partial per tier, merged in torch). Preset variants are named as
+:func:`kvtier.policy.get_policy` names them (``TieredCache`` and ``kvtier plan`` take the same
+names): ``default:dense`` (the preset without its sparse attention, the baseline the sparsity is
+measured against), ``adaptive@2.5[:keep=0.5:fit_tokens=4096:codes=vq]`` (the ``adaptive`` preset
+at a budget of 2.5 bits per element, fields of its :class:`~kvtier.policy.AdaptivePolicy`),
+``default:vq3/3`` (its cold tier in vector codes).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..policy import PRESETS, TierPolicy
+from ..policy import PRESETS, VARIANT_FORMS, TierPolicy, preset_variant
 
 BASELINES = ("dynamic", "quanto-int4", "quanto-int2", "hf-fp8")
 
@@ -80,46 +81,16 @@ def cache_spec(name: str | TierPolicy) -> CacheSpec:
         return CacheSpec(name)
     if name in PRESETS:
         return CacheSpec(name, PRESETS[name][1]())
-    if name.startswith("adaptive@"):
-        import dataclasses
-
-        bits_s, _, opts = name.removeprefix("adaptive@").partition(":")
-        try:
-            bits = float(bits_s)
-            fields, policy_fields = {}, {}
-            for item in filter(None, opts.split(":")):
-                key, _, value = item.partition("=")
-                if key == "sinks":  # the policy's exact sink tokens (the rest are AdaptivePolicy fields)
-                    policy_fields["sink_tokens"] = int(value)
-                elif key in ("keep", "fit_tokens", "warmup_tokens"):
-                    fields[key] = float(value) if key == "keep" else int(value)
-                elif key == "codes":
-                    fields[key] = value
-                else:
-                    raise ValueError(key)
-        except ValueError:
-            raise ValueError(
-                f"cache {name!r} is not allowed: expected adaptive@<bits>[:keep=<f>][:fit_tokens=<n>]"
-                "[:warmup_tokens=<n>][:sinks=<n>][:codes=vq|affine+vq], e.g. adaptive@2.5 or adaptive@2.5:keep=0.5"
-            ) from None
-        p = PRESETS["adaptive"][1]()
-        assert p.adaptive is not None
-        adaptive = dataclasses.replace(p.adaptive, bits=bits, **fields)
-        return CacheSpec(name, p.replace(adaptive=adaptive, name=name, **policy_fields))
     base, _, path = name.partition(":")
     if base in PRESETS and path in ("reference", "per-tier"):
         return CacheSpec(name, PRESETS[base][1](), attention=path)
-    if base in PRESETS and path == "dense":
-        return CacheSpec(name, PRESETS[base][1]().replace(sparse=None, name=name))
-    if base in PRESETS and path.startswith("vq"):  # e.g. default:vq3/2: its cold tier in vector codes
-        kb, _, vb = path.removeprefix("vq").partition("/")
-        if not (kb.isdigit() and (vb == "" or vb.isdigit())):
-            raise ValueError(
-                f"cache {name!r} is not allowed: expected <preset>:vq<key bits>[/<value bits>], e.g. default:vq3/2"
-            )
-        vq = {"cold_codes": "vq", "cold_bits": int(kb), "cold_value_bits": int(vb) if vb else None}
-        return CacheSpec(name, PRESETS[base][1]().replace(sparse=None, name=name, **vq))
-    raise ValueError(f"cache {name!r} is not allowed: expected one of {[*BASELINES, *PRESETS]}")
+    variant = preset_variant(name)  # adaptive@2.5:codes=vq, default:vq3/3, default:dense, ...
+    if variant is not None:
+        return CacheSpec(name, variant)
+    raise ValueError(
+        f"cache {name!r} is not allowed: expected one of {[*BASELINES, *PRESETS]}, a preset with :reference or "
+        f":per-tier, or a variant ({' | '.join(VARIANT_FORMS)})"
+    )
 
 
 def all_cache_names() -> list[str]:

@@ -88,7 +88,8 @@ class TieredCache(Cache):
     Parameters
     ----------
     config : the model's config (``model.config``) or the model itself.
-    policy : a preset name (see ``kvtier.PRESETS``) or a :class:`TierPolicy`.
+    policy : a preset name (see ``kvtier.PRESETS``), a preset variant's name (``"adaptive@2.5:codes=vq"``,
+        ``"default:vq3/3"``; :func:`kvtier.get_policy`) or a :class:`TierPolicy`.
     attention : ``"fast"`` (attention on the packed data; decode on the CPU in one fused call per
         layer), ``"per-tier"`` (the same, one partial per tier merged in torch), ``"reference"``
         (each tier decoded to dense K/V for one SDPA call; the oracle the fast paths are tested against),
