@@ -233,6 +233,10 @@ CASES = [
     cli("recall missing text", ["eval", "recall", "--text", "missing.txt"], "kvtier eval recall:", "missing.txt"),
     cli("bench missing text", ["bench", "--text", "missing.txt"], "kvtier bench:", "missing.txt"),
     cli("demo missing text", ["demo", "--text", "missing.txt"], "kvtier demo:", "missing.txt"),
+    cli("demo baseline", ["demo", "--policy", "dynamic"], "kvtier demo:", "--policy dynamic", "preset variant"),
+    cli("demo variant", ["demo", "--policy", "default:vqx"], "kvtier demo:", "'default:vqx'", "<preset>:vq"),
+    cli("demo policy", ["demo", "--policy", "nope"], "kvtier demo:", "cache 'nope' is not allowed"),
+    cli("plan variant", ["plan", "--model", "llama-2-13b", "--seq-len", "8", "--policy", "x:vq"], "policy='x:vq'"),
     cli("report missing", ["report", "missing.json"], "kvtier report:", "missing.json"),
     cli("report invalid", lambda t: ["report", bad_results(t), "-o", str(t / "r.md")], "bad.json", "results lack"),
     # --- CLI: argparse's own usage errors (exit 2) ---------------------------------------------

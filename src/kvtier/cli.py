@@ -189,6 +189,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .models import load_model
 
     # before the model: fail fast
+    spec = cache_spec(args.policy)
+    if spec.policy is None:
+        raise ValueError(f"--policy {args.policy} is not allowed: expected a kvtier preset or a preset variant")
     _at_least("--tokens", [args.tokens], MIN_CONTEXT_TOKENS, "a recall prompt (the planted fact and some text)")
     _at_least("--ppl-tokens", [args.ppl_tokens], MIN_WINDOW_TOKENS, "a perplexity window (its last half is scored)")
     name, text = next(iter(load_texts(args.text, limit=1).items()))
@@ -199,7 +202,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     n = case.input_ids.shape[1]
     fact = "secret number" if case.needle == "number" else "definition"
     print(f"recall prompt: {n} tokens from {name!r}, a {fact} planted at {case.depth:.0%} depth", flush=True)
-    specs = [cache_spec("dynamic"), cache_spec(args.policy)]
+    specs = [cache_spec("dynamic"), spec]
     rows = []
     from .kernels import cpu, fused_cpu, sketch_cpu
 
@@ -219,13 +222,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
         row["ppl"] = scores[row["cache"]].ppl
         row["kl"] = scores[row["cache"]].mean_kl
     print()
+    w = max(10, len(spec.name) + 2)
     print(
-        f"{'cache':<10}{'KV MiB':>8}{'vs fp16':>9}{'vs full':>9}{'prefill s':>10}{'decode tok/s':>13}"
+        f"{'cache':<{w}}{'KV MiB':>8}{'vs fp16':>9}{'vs full':>9}{'prefill s':>10}{'decode tok/s':>13}"
         f"{'ppl':>8}  answer (key {case.key})"
     )
     for r in rows:
         print(
-            f"{r['cache']:<10}{r['kv_bytes'] / 2**20:>8.2f}{r['kv_bytes'] / fp16:>9.3f}"
+            f"{r['cache']:<{w}}{r['kv_bytes'] / 2**20:>8.2f}{r['kv_bytes'] / fp16:>9.3f}"
             f"{r['kv_bytes'] / rows[0]['kv_bytes']:>9.3f}{r['prefill_s']:>10.1f}{r['decode_tok_s']:>13.2f}"
             f"{r['ppl']:>8.3f}  {'OK ' if r['correct'] else 'NO '}{r['answer']!r}"
         )
@@ -529,7 +533,11 @@ def _add_demo(sub: Any) -> None:
         "recall prompt",
     )
     _model_args(d, dtype="auto")
-    d.add_argument("--policy", default="default", choices=list(PRESETS))
+    d.add_argument(
+        "--policy",
+        default="default",
+        help="a preset or a preset variant as kvtier eval names it (adaptive@2.5:codes=vq, default:vq3/3, ...)",
+    )
     d.add_argument("--tokens", type=_positive, default=3000, help="context length of the prompt")
     d.add_argument("--depth", type=_fraction, default=0.1, help="where the fact is planted (0..1)")
     d.add_argument("--new-tokens", type=_positive, default=12)
