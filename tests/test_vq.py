@@ -382,6 +382,8 @@ def test_eval_cache_names_select_vq_cold_codes():
     assert cache_spec("default:vq2").policy.cold_value_bits is None
     with pytest.raises(ValueError, match=r"^'default:vqx' is not allowed: expected <preset>:vq<key bits>"):
         cache_spec("default:vqx")
+    with pytest.raises(ValueError, match=r"^'default:vq3/' is not allowed: expected <preset>:vq<key bits>"):
+        cache_spec("default:vq3/")  # a slash names a value width
     with pytest.raises(ValueError, match=r"^cold_bits=5 is not allowed"):
         cache_spec("default:vq5")
 

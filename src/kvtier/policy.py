@@ -861,8 +861,8 @@ def preset_variant(name: str) -> TierPolicy | None:
     if path == "dense":
         return PRESETS[base][1]().replace(sparse=None, name=name)
     if path.startswith("vq"):  # its cold tier in vector codes
-        kb, _, vb = path.removeprefix("vq").partition("/")
-        if not (kb.isdigit() and (vb == "" or vb.isdigit())):
+        kb, slash, vb = path.removeprefix("vq").partition("/")
+        if not (kb.isdigit() and (vb.isdigit() if slash else not vb)):
             raise ValueError(f"{name!r} is not allowed: expected {VARIANT_FORMS[1]}, e.g. default:vq3/2")
         vq = {"cold_codes": "vq", "cold_bits": int(kb), "cold_value_bits": int(vb) if vb else None}
         return PRESETS[base][1]().replace(sparse=None, name=name, **vq)
