@@ -101,7 +101,7 @@ def _bytes(text: str) -> int:
 # --- plan -------------------------------------------------------------------------------------
 def cmd_plan(args: argparse.Namespace) -> int:
     from .policy import get_policy
-    from .sizing import capped_tokens, estimate, format_estimates, model_shape
+    from .sizing import capped_tokens, estimate, format_estimates, model_shape, policy_width
 
     shape = model_shape(args.model)
     names = list(PRESETS) if args.policy == "all" else [n.strip() for n in args.policy.split(",")]
@@ -129,7 +129,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(format_estimates(shape, plans))
     if args.max_bytes is not None:
         print(f"\nunder max_bytes={args.max_bytes:,} (TieredCache(..., max_bytes=N)): tokens per row that fit")
-        w = max(16, *(len(p.policy) + 2 for p in plans))  # the table's policy column
+        w = policy_width(plans)  # the table's policy column
         for p in plans:
             verdict = "fits" if p.total_bytes <= args.max_bytes else "on_full='error' raises, 'evict' keeps ~this many"
             print(f"{p.policy:<{w}}{capped[p.policy]:>12,}  {verdict} at --seq-len {args.seq_len:,}")

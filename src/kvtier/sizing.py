@@ -327,10 +327,15 @@ def capped_tokens(
     return lo
 
 
+def policy_width(plans: list[Estimate]) -> int:
+    """Width of the policy column of a table of ``plans`` (a variant's name can be long)."""
+    return max(16, *(len(p.policy) + 2 for p in plans))
+
+
 def format_estimates(shape: ModelShape, plans: list[Estimate]) -> str:
     """A readable table of plans (GB = 1e9 bytes)."""
     gb = 1e9
-    w = max(16, *(len(p.policy) + 2 for p in plans))
+    w = policy_width(plans)
     head = f"{'policy':<{w}}" + "".join(f"{t:>10}" for t in _TABLE) + f"{'total GB':>11}{'vs fp16':>9}{'resident':>10}"
     lines = [
         f"{shape.name}: {shape.num_layers} layers x {shape.kv_heads} KV heads x head_dim {shape.head_dim}, "
