@@ -236,6 +236,34 @@ def test_one_call_prefill_ends_within_the_budget(llama, keep, bits):
         llama(ids[:, -1:], cache=cache, use_cache=True)
 
 
+@pytest.mark.parametrize("chunk", [640, 96])  # the prompt in one call; streamed, a call ends the warm-up
+def test_the_call_that_ends_the_warm_up_scores_by_one_window_in_every_layer(llama, monkeypatch, chunk):
+    # the layers that settle while the budget measures evict afterwards (rebalance) by the call's
+    # last REBALANCE_OBS_TOKENS query tokens; the layer whose block ends the warm-up evicts in its
+    # own settle and must score by that same window, not by every row of the call
+    from kvtier.cache.state import REBALANCE_OBS_TOKENS, LayerState
+
+    seen = []
+    real = LayerState._evict_by_attention
+
+    def spy(self, k, v, valid):
+        seen.append((self.layer_idx, self.seen, None if self._obs is None else self._obs[1]))
+        return real(self, k, v, valid)
+
+    monkeypatch.setattr(LayerState, "_evict_by_attention", spy)
+    cache = kvtier.TieredCache(llama.config, adaptive_policy(4.0, keep=0.5))
+    ids = token_ids(640, seed=13)
+    with kvtier.enable(llama), torch.no_grad():
+        for s in range(0, ids.shape[1], chunk):
+            llama(ids[:, s : s + chunk], cache=cache, use_cache=True)
+    first = min(n for _, n, _ in seen)  # the call that ended the warm-up
+    ending = {layer: q for layer, n, q in seen if n == first}
+    assert set(ending) == set(range(llama.config.num_hidden_layers)), seen
+    assert set(ending.values()) == {min(chunk, REBALANCE_OBS_TOKENS)}, ending
+    later = {q for _, n, q in seen if n > first}  # streamed calls after it: every row of the call votes
+    assert later <= {chunk}, later
+
+
 def test_a_failed_rebalance_leaves_the_cache_unchanged(llama, monkeypatch):
     from kvtier.cache.state import LayerState
 

@@ -90,7 +90,9 @@ _MASK_LOCK = threading.Lock()
 _LATEST = threading.local()
 
 #: Query tokens whose rows a layer keeps past its settle for :meth:`LayerState.rebalance` (the
-#: SnapKV observation window: the last tokens of the prompt).
+#: SnapKV observation window: the last tokens of the prompt). Every settle that starts during the
+#: warm-up scores with these rows only, so in the call that ends the warm-up the layer whose block
+#: ends it evicts by the same window as the layers that rebalance after it.
 REBALANCE_OBS_TOKENS = 64
 
 
@@ -483,9 +485,12 @@ class LayerState:
         try:
             self._token_valid = token_valid
             self._pending = None
+            if self.budget is not None and self.budget.measuring(self.seen):  # this move may end the
+                # warm-up (then it evicts here): by the window ``rebalance`` uses, as every layer of the call
+                self._obs = _last_tokens(self._obs, REBALANCE_OBS_TOKENS)
             self._move(token_valid)
             if self.budget is not None and self.budget.measuring(self.seen):
-                self._pending = (_last_tokens(self._obs, REBALANCE_OBS_TOKENS), token_valid)
+                self._pending = (self._obs, token_valid)
             if self.budget is not None:  # the call's query rows go; the warm-up's tensors once it ends
                 self.budget.end_call(self._budget_idx, self.seen)
             if self.owner is not None:
