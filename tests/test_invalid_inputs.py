@@ -172,6 +172,12 @@ CASES = [
     raises("preset", lambda _: get_policy("fast"), ValueError, "policy='fast'", "'default'"),
     raises("preset list", lambda _: get_policy(["x"]), ValueError, "policy=['x']"),
     raises("preset None", lambda _: get_policy(None), ValueError, "policy=None"),
+    raises("variant twice", lambda _: get_policy("adaptive@2.5:keep=0.5:keep=1"), ValueError, "'keep' is given twice"),
+    raises("variant sinks twice", lambda _: get_policy("adaptive@2:sinks=4:sinks=8"), ValueError, "'sinks' is given"),
+    raises("variant empty option", lambda _: get_policy("adaptive@2.5::keep=1"), ValueError, "adaptive@<bits>"),
+    raises("variant trailing colon", lambda _: get_policy("adaptive@2.5:"), ValueError, "'adaptive@2.5:'"),
+    raises("variant spaced bits", lambda _: get_policy("adaptive@ 2.5"), ValueError, "'adaptive@ 2.5'"),
+    raises("adaptive widths", lambda _: get_policy("adaptive:vq3"), ValueError, "chooses its cold widths", "codes=vq"),
     # --- planner ----------------------------------------------------------------------------
     raises("model name", lambda _: model_shape("gpt-9"), ValueError, "'gpt-9'", "llama-2-13b"),
     raises("config lacks", lambda t: model_shape(config(**NO_LAYERS)(t)), ValueError, "lacks 'num_hidden_layers'"),

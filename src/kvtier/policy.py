@@ -832,13 +832,19 @@ def preset_variant(name: str) -> TierPolicy | None:
     ValueError : a variant's form whose fields do not parse or do not validate.
     """
     if name.startswith("adaptive@"):
-        bits_s, _, opts = name.removeprefix("adaptive@").partition(":")
+        bits_s, sep, opts = name.removeprefix("adaptive@").partition(":")
+        items = [item.partition("=") for item in opts.split(":")] if sep else []
+        keys = [key for key, _, _ in items]
+        twice = sorted({key for key in keys if key and keys.count(key) > 1})
+        if twice:
+            raise ValueError(f"{name!r} is not allowed: {twice[0]!r} is given twice; name each option once")
         fields: dict[str, object] = {}
         policy_fields: dict[str, object] = {}
         try:
+            if bits_s != bits_s.strip():
+                raise ValueError(bits_s)
             bits = float(bits_s)
-            for item in filter(None, opts.split(":")):
-                key, _, value = item.partition("=")
+            for key, _, value in items:
                 if key == "sinks":  # the policy's exact sink tokens (the rest are AdaptivePolicy fields)
                     policy_fields["sink_tokens"] = int(value)
                 elif key in ("keep", "fit_tokens", "warmup_tokens"):
@@ -860,6 +866,11 @@ def preset_variant(name: str) -> TierPolicy | None:
         return None
     if path == "dense":
         return PRESETS[base][1]().replace(sparse=None, name=name)
+    if path.startswith("vq") and base == "adaptive":  # the budget chooses the widths
+        raise ValueError(
+            f"{name!r} is not allowed: the adaptive budget chooses its cold widths; name the family instead, "
+            "e.g. adaptive@2.5:codes=vq"
+        )
     if path.startswith("vq"):  # its cold tier in vector codes
         kb, slash, vb = path.removeprefix("vq").partition("/")
         if not (kb.isdigit() and (vb.isdigit() if slash else not vb)):
