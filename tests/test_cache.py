@@ -209,3 +209,21 @@ def test_memory_report_counts_every_tensor(model, policy):
 def test_bad_override_index(model):
     with pytest.raises(ValueError, match="layer_overrides key 7"):
         TieredCache(model.config, TierPolicy(layer_overrides={7: "exact"}))
+
+
+def test_layer_overrides_take_variant_names():
+    # a layer may name a preset variant: its cold tier in vector codes, or its own adaptive budget
+    from kvtier.codecs import VqCodec
+
+    model = tiny_llama(head_dim=64)  # the presets' 64-token value groups
+    policy = kvtier.get_policy("default").replace(layer_overrides={1: "default:vq3/3", -1: "adaptive@4:codes=vq"})
+    cache = TieredCache(model.config, policy)
+    names = ["default", "default:vq3/3", "default", "adaptive@4:codes=vq"]
+    assert [layer.policy.name for layer in cache.layers] == names
+    assert [layer.budget is not None for layer in cache.layers] == [False, False, False, True]
+    with kvtier.enable(model), torch.no_grad():
+        model(token_ids(1300), cache=cache)  # past sinks, hot and default's 1,024-token warm window
+        model(token_ids(1), cache=cache)
+    codecs = [type(layer.cold.codec) for layer in cache.layers]
+    assert codecs[1] is VqCodec and codecs[3] is VqCodec and codecs[0] is not VqCodec and codecs[2] is not VqCodec
+    assert cache.allocation()["allocated"]

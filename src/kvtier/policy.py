@@ -19,8 +19,9 @@ parameters in fp8 (``cold_meta="fp8"``). With ``adaptive`` (an :class:`AdaptiveP
 chosen per layer from measured errors, and the warm window grows and shrinks with the budget (see
 :mod:`kvtier.cache.adaptive`).
 
-``layer_overrides`` maps layer indices (negative ones count from the end) to another policy or a
-preset name, e.g. ``{0: "exact", -1: "exact"}``.
+``layer_overrides`` maps layer indices (negative ones count from the end) to another policy, a
+preset name or a preset variant's name (:func:`get_policy`), e.g. ``{0: "exact", -1: "exact"}`` or
+``{5: "default:vq3/3"}``. Layers under one adaptive policy share one byte budget.
 """
 
 from __future__ import annotations
@@ -423,8 +424,8 @@ class TierPolicy:
         ``"model"`` holds such values. Quantized tiers refuse the same way a block whose fp16 / fp8
         parameters cannot hold its range (:func:`kvtier.codecs.check_params`).
     sparse : a :class:`SparsePolicy` for dynamic sparse attention over warm and cold, or None.
-    layer_overrides : layer index -> policy or preset name; negative indices count from the end.
-        Any mapping; held as an immutable :class:`LayerOverrides`.
+    layer_overrides : layer index -> policy, preset name or preset variant name (:func:`get_policy`);
+        negative indices count from the end. Any mapping; held as an immutable :class:`LayerOverrides`.
     name : label used in reports.
     offload : an :class:`OffloadPolicy` when ``cold == "offload"`` (``None`` there means the
         defaults); must be ``None`` otherwise.
@@ -557,9 +558,14 @@ class TierPolicy:
         for idx, sub in overrides.items():
             _check(isinstance(idx, int) and not isinstance(idx, bool), "layer_overrides key", idx, "an int")
             if isinstance(sub, str):
-                _check(sub in PRESETS, f"layer_overrides[{idx}]", sub, f"a preset name in {sorted(PRESETS)}")
+                try:
+                    named = sub in PRESETS or preset_variant(sub) is not None
+                except ValueError as err:  # a variant's form whose fields do not hold
+                    raise ValueError(f"layer_overrides[{idx}]: {err}") from None
+                expected = f"a preset name in {sorted(PRESETS)} or a variant ({' | '.join(VARIANT_FORMS)})"
+                _check(named, f"layer_overrides[{idx}]", sub, expected)
             else:
-                _check(isinstance(sub, TierPolicy), f"layer_overrides[{idx}]", sub, "a TierPolicy or preset name")
+                _check(isinstance(sub, TierPolicy), f"layer_overrides[{idx}]", sub, "a TierPolicy or a policy name")
         return overrides
 
     def _check_offload(self) -> None:
