@@ -1,0 +1,199 @@
+"""Random tiered states through every CPU attention backend, each against the reference path.
+
+A fuzzer, not a test (the suite's shapes are chosen; these are drawn): per case a tiny random Llama
+(head dim 16-128, 1-2 KV heads, GQA 1-3, 2 layers, fp32 or bf16), a random valid ``TierPolicy`` (tier sizes off each
+other's grid, warm / cold widths, fp8, signs, eviction, rotation, vq cold codes, sinks, sparse
+selection at level 1.0, an adaptive budget that keeps every token), a batch of 1-3 rows with random
+left padding fed in random chunks, then decode steps, through ``attention="reference"``. At every
+layer call, on the state the reference attends over, each backend (``torch``, ``cpu``, ``fused``)
+must give the reference's output within ``--tol`` of its largest magnitude (fp32; bf16 models, 30 %
+of the cases: one bf16 step, 2^-7). A failure prints
+the case (seed, model, policy, chunks) and the largest difference; the script exits 1 if any failed.
+Imports kvtier only (``kvtier.testing`` builds the models).
+
+    python scripts/fuzz_backends.py --cases 300 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+import warnings
+
+import torch
+
+import kvtier
+from kvtier import AdaptivePolicy, SparsePolicy, TierPolicy
+from kvtier.attention import interface
+from kvtier.attention import plan as plan_mod
+from kvtier.attention.reference import reference_attention
+from kvtier.attention.tiered import tiered_attention
+from kvtier.testing import tiny_llama
+
+BACKENDS = ("torch", "cpu", "fused")
+
+
+def draw_policy(rng: random.Random, dim: int) -> TierPolicy | None:
+    """A random policy for head dim ``dim`` (None: the draw does not validate)."""
+    block = rng.choice([4, 5, 7, 8, 16])
+    groups = [g for g in (4, 8, 16, 32, 64) if dim % g == 0]
+    fields: dict = dict(
+        hot_tokens=rng.choice([0, 3, 9, 16]),
+        warm_tokens=block * rng.choice([0, 1, 2, 3]),
+        block_tokens=block,
+        sink_tokens=rng.choice([0, 1, 3, 4]),
+        value_group_size=rng.choice(groups),
+        warm_bits=rng.choice([2, 3, 4, 8, "fp8"]),
+        cold=rng.choice(["quant", "quant", "sign", "evict"]),
+        layer_overrides={},
+        name="fuzz",
+    )
+    if fields["cold"] == "quant":
+        vq = rng.random() < 0.35
+        fields["cold_bits"] = rng.choice([2, 3, 4]) if vq else rng.choice([2, 3, 4, 8, "fp8"])
+        fields["cold_rotation"] = vq or rng.random() < 0.5
+        if vq:
+            fields.update(cold_codes="vq", cold_meta="fp16", cold_value_bits=rng.choice([None, 2, 3, 4]))
+        elif rng.random() < 0.3:
+            fields["cold_value_bits"] = rng.choice([2, 3, 4])
+    elif fields["cold"] == "sign":
+        fields["cold_rotation"] = rng.random() < 0.5
+    if rng.random() < 0.3 and fields.get("cold_codes") != "vq":
+        fields["sparse"] = SparsePolicy(local_window=rng.choice([2, 4, 8]), select="tokens", method="mass", level=1.0)
+    if rng.random() < 0.15:  # an adaptive budget that keeps every token (its choice of widths is deterministic)
+        fields.update(
+            cold="quant",
+            hot_tokens=max(fields["hot_tokens"], 1),
+            adaptive=AdaptivePolicy(
+                bits=rng.choice([3.0, 4.0, 5.0]),
+                warmup_tokens=rng.choice([8, 24]),
+                fit_tokens=64,
+                keep=1.0,
+                codes=rng.choice(["affine", "vq", "affine+vq"]),
+            ),
+        )
+        for key in ("cold_bits", "cold_codes", "cold_meta", "cold_value_bits", "sparse"):
+            fields.pop(key, None)
+    try:
+        return TierPolicy(**fields)
+    except ValueError:
+        return None
+
+
+def draw_model(rng: random.Random):
+    dim = rng.choice([16, 32, 64, 128])
+    kv = rng.choice([1, 2])
+    gqa = rng.choice([1, 2, 3])
+    dtype = torch.bfloat16 if rng.random() < 0.3 else torch.float32
+    model = tiny_llama(
+        seed=rng.randrange(1 << 16),
+        dtype=dtype,
+        head_dim=dim,
+        num_key_value_heads=kv,
+        num_attention_heads=kv * gqa,
+        num_hidden_layers=2,
+        hidden_size=32 * kv * gqa,
+        intermediate_size=64,
+    )
+    return model, dim, dict(head_dim=dim, kv_heads=kv, gqa=gqa, dtype=str(dtype).removeprefix("torch."))
+
+
+def feed(model, cache, ids, mask, chunks):
+    out, s = [], 0
+    with torch.no_grad():
+        for c in chunks:
+            out.append(model(ids[:, s : s + c], attention_mask=mask[:, : s + c], cache=cache).logits)
+            s += c
+    return torch.cat(out, 1)
+
+
+def one_case(seed: int, tol: float) -> tuple[bool, str]:
+    """Feed a drawn case through ``attention="reference"``; at every layer call, before the layer
+    settles, attend with each backend over the same state and compare with the reference. (Two
+    whole runs would not do: a 1e-7 difference in one layer's output can move a later layer's
+    4-bit code by one step, which is no backend's fault.)"""
+    rng = random.Random(seed)
+    model, dim, shape = draw_model(rng)
+    policy = None
+    while policy is None:
+        policy = draw_policy(rng, dim)
+    B = rng.choice([1, 2, 3])
+    prompt = rng.randrange(5, 300)
+    decode = rng.randrange(1, 6)
+    n = prompt + decode
+    ids = torch.randint(3, 97, (B, n), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    for b in range(1, B):
+        mask[b, : rng.randrange(0, prompt - 1)] = 0  # left padding, at least 2 real prompt tokens
+    chunks, left = [], prompt
+    while left:
+        c = min(left, rng.choice([1, 2, 7, 16, 33, 64, 100]))
+        chunks.append(c)
+        left -= c
+    chunks += [1] * decode
+    desc = f"seed={seed} model={shape} B={B} chunks={chunks} policy={policy}"
+    if shape["dtype"] == "bfloat16":  # outputs rounded to bf16: two fp32 orders may land one bf16 step apart
+        tol = max(tol, 2.0**-7)
+    backends = []
+    for backend in BACKENDS:
+        try:
+            plan_mod.check_force(backend, torch.device("cpu"))
+            backends.append(backend)
+        except ValueError:
+            pass
+    found: list[str] = []
+    calls = [0]
+
+    def spy(layer, query, kv_mask, scaling, plan=None, force=None):
+        calls[0] += 1
+        budget, layer.budget = layer.budget, None  # the extra calls must not feed an adaptive measurement
+        try:
+            ref = reference_attention(layer, query, kv_mask, scaling)
+            scale = max(1.0, float(ref.abs().max()))
+            for backend in backends:
+                try:
+                    got = tiered_attention(layer, query, kv_mask, scaling, force=backend)
+                except Exception as err:  # noqa: BLE001 - a backend that raises where the reference ran
+                    found.append(f"{backend} raised {type(err).__name__}: {err} (layer {layer.layer_idx}, seen {layer.seen})")
+                    continue
+                diff = float((got - ref).abs().max())
+                if not diff <= tol * scale:
+                    found.append(f"{backend} differs by {diff:.3g} (layer {layer.layer_idx}, seen {layer.seen}, {layer.token_counts()})")
+        finally:
+            layer.budget = budget
+        return tiered_attention(layer, query, kv_mask, scaling, plan, force=force)
+
+    interface.tiered_attention = spy
+    try:
+        with kvtier.enable(model), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            feed(model, kvtier.TieredCache(model.config, policy, attention="reference"), ids, mask, chunks)
+    finally:
+        interface.tiered_attention = tiered_attention
+    if found:
+        return False, f"{found[0]} (+{len(found) - 1} more)\n  {desc}"
+    return True, f"{calls[0]} layer calls: {desc}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0, help="the first case's seed (cases take seed, seed+1, ...)")
+    ap.add_argument("--tol", type=float, default=1e-4, help="largest output difference, relative to max |output|")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    failures, t0 = 0, time.time()
+    for i in range(args.cases):
+        ok, what = one_case(args.seed + i, args.tol)
+        if not ok:
+            failures += 1
+            print("FAIL", what, flush=True)
+    print(f"{args.cases - failures} passed, {failures} failed ({time.time() - t0:.0f} s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
