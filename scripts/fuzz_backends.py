@@ -1,17 +1,18 @@
 """Random tiered states through every CPU attention backend, each against the reference path.
 
-A fuzzer, not a test (the suite's shapes are chosen; these are drawn): per case a tiny random Llama
-(head dim 16-128, 1-2 KV heads, GQA 1-3, 2 layers, fp32 or bf16), a random valid ``TierPolicy`` (tier sizes off each
-other's grid, warm / cold widths, fp8, signs, eviction, rotation, vq cold codes, sinks, sparse
-selection at level 1.0, an adaptive budget that keeps every token), a batch of 1-3 rows with random
-left padding fed in random chunks, then decode steps, through ``attention="reference"``. At every
-layer call, on the state the reference attends over, each backend (``torch``, ``cpu``, ``fused``)
-must give the reference's output within ``--tol`` of its largest magnitude (fp32; bf16 models, 30 %
-of the cases: one bf16 step, 2^-7). A failure prints
-the case (seed, model, policy, chunks) and the largest difference; the script exits 1 if any failed.
-Imports kvtier only (``kvtier.testing`` builds the models).
+A fuzzer, not a test (the suite's shapes are chosen; these are drawn; ``tests/test_fuzz_backends.py``
+runs a few seeded cases): per case a tiny random Llama (head dim 16-128, 1-2 KV heads, GQA 1-3,
+2 layers, fp32 or bf16), a random valid ``TierPolicy`` (tier sizes off each other's grid, warm and
+cold widths, fp8, signs, eviction, rotation, vq cold codes, sinks, sparse selection at level 1.0,
+an offloaded cold tier fetched whole, an adaptive budget with its eviction rung), a batch of 1-3
+rows with random left padding fed in random chunks, then decode steps, through
+``attention="reference"``. At every layer call, on the state the reference attends over, each
+backend (``torch``, ``cpu``, ``fused``) must give the reference's output within ``--tol`` of its
+largest magnitude (fp32; bf16 models, 30 % of the cases: one bf16 step, 2^-7). A failure prints
+the case (seed, model, policy, chunks) and the largest difference; the script exits 1 if any
+failed. Imports kvtier only (``kvtier.testing`` builds the models).
 
-    python scripts/fuzz_backends.py --cases 300 --threads 2
+    python scripts/fuzz_backends.py --cases 3000 --threads 2
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import warnings
 import torch
 
 import kvtier
-from kvtier import AdaptivePolicy, SparsePolicy, TierPolicy
+from kvtier import AdaptivePolicy, OffloadPolicy, SparsePolicy, TierPolicy
 from kvtier.attention import interface
 from kvtier.attention import plan as plan_mod
 from kvtier.attention.reference import reference_attention
@@ -46,7 +47,7 @@ def draw_policy(rng: random.Random, dim: int) -> TierPolicy | None:
         sink_tokens=rng.choice([0, 1, 3, 4]),
         value_group_size=rng.choice(groups),
         warm_bits=rng.choice([2, 3, 4, 8, "fp8"]),
-        cold=rng.choice(["quant", "quant", "sign", "evict"]),
+        cold=rng.choice(["quant", "quant", "sign", "evict", "offload"]),
         layer_overrides={},
         name="fuzz",
     )
@@ -60,9 +61,19 @@ def draw_policy(rng: random.Random, dim: int) -> TierPolicy | None:
             fields["cold_value_bits"] = rng.choice([2, 3, 4])
     elif fields["cold"] == "sign":
         fields["cold_rotation"] = rng.random() < 0.5
-    if rng.random() < 0.3 and fields.get("cold_codes") != "vq":
+    elif fields["cold"] == "offload":  # every block fetched (mass=None): exact over what the store holds
+        fields["offload"] = OffloadPolicy(
+            backend=rng.choice(["cpu", "disk"]),
+            store_bits=rng.choice([None, None, 8]),
+            mass=None,
+            min_blocks=0,
+            prefetch=rng.choice([False, True]),
+            max_query_tokens=rng.choice([None, 1, 16]),
+        )
+    if rng.random() < 0.3 and fields.get("cold_codes") != "vq" and fields["cold"] != "offload":
         fields["sparse"] = SparsePolicy(local_window=rng.choice([2, 4, 8]), select="tokens", method="mass", level=1.0)
-    if rng.random() < 0.15:  # an adaptive budget that keeps every token (its choice of widths is deterministic)
+    if rng.random() < 0.15:  # an adaptive budget (eviction by the reference run's own queries)
+        fields.pop("offload", None)
         fields.update(
             cold="quant",
             hot_tokens=max(fields["hot_tokens"], 1),
@@ -70,7 +81,7 @@ def draw_policy(rng: random.Random, dim: int) -> TierPolicy | None:
                 bits=rng.choice([3.0, 4.0, 5.0]),
                 warmup_tokens=rng.choice([8, 24]),
                 fit_tokens=64,
-                keep=1.0,
+                keep=rng.choice([1.0, 1.0, 0.5, 0.75]),
                 codes=rng.choice(["affine", "vq", "affine+vq"]),
             ),
         )
