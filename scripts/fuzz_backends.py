@@ -12,7 +12,13 @@ largest magnitude (fp32; bf16 models, 30 % of the cases: one bf16 step, 2^-7). A
 the case (seed, model, policy, chunks) and the largest difference; the script exits 1 if any
 failed. Imports kvtier only (``kvtier.testing`` builds the models).
 
+``--states``: the same draws through two caches as the plan picks the path; after every call each
+layer holds ``seen`` token slots and (without offloading) reports the bytes reachable from it; at a
+drawn call a drawn layer's settle fails after moving its tokens, and the cache must be as before
+the call, the retried call bit for bit what the cache that never failed gives.
+
     python scripts/fuzz_backends.py --cases 3000 --threads 2
+    python scripts/fuzz_backends.py --states --cases 1000 --threads 2
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import random
 import sys
 import time
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -120,11 +127,19 @@ def feed(model, cache, ids, mask, chunks):
     return torch.cat(out, 1)
 
 
-def one_case(seed: int, tol: float) -> tuple[bool, str]:
-    """Feed a drawn case through ``attention="reference"``; at every layer call, before the layer
-    settles, attend with each backend over the same state and compare with the reference. (Two
-    whole runs would not do: a 1e-7 difference in one layer's output can move a later layer's
-    4-bit code by one step, which is no backend's fault.)"""
+class Case(NamedTuple):
+    """One drawn case: the model, the policy, ids and mask ``[B, N]``, the calls' token counts."""
+
+    model: torch.nn.Module
+    policy: TierPolicy
+    ids: torch.Tensor
+    mask: torch.Tensor
+    chunks: list[int]
+    dtype: str
+    desc: str
+
+
+def draw_case(seed: int) -> Case:
     rng = random.Random(seed)
     model, dim, shape = draw_model(rng)
     policy = None
@@ -145,7 +160,17 @@ def one_case(seed: int, tol: float) -> tuple[bool, str]:
         left -= c
     chunks += [1] * decode
     desc = f"seed={seed} model={shape} B={B} chunks={chunks} policy={policy}"
-    if shape["dtype"] == "bfloat16":  # outputs rounded to bf16: two fp32 orders may land one bf16 step apart
+    return Case(model, policy, ids, mask, chunks, shape["dtype"], desc)
+
+
+def one_case(seed: int, tol: float) -> tuple[bool, str]:
+    """Feed a drawn case through ``attention="reference"``; at every layer call, before the layer
+    settles, attend with each backend over the same state and compare with the reference. (Two
+    whole runs would not do: a 1e-7 difference in one layer's output can move a later layer's
+    4-bit code by one step, which is no backend's fault.)"""
+    case = draw_case(seed)
+    model, policy, ids, mask, chunks, desc = case.model, case.policy, case.ids, case.mask, case.chunks, case.desc
+    if case.dtype == "bfloat16":  # outputs rounded to bf16: two fp32 orders may land one bf16 step apart
         tol = max(tol, 2.0**-7)
     backends = []
     for backend in BACKENDS:
@@ -188,17 +213,120 @@ def one_case(seed: int, tol: float) -> tuple[bool, str]:
     return True, f"{calls[0]} layer calls: {desc}"
 
 
+class InjectedFault(RuntimeError):
+    """The fault :func:`state_case` injects into a layer's settle."""
+
+
+def _fingerprint(cache) -> tuple:
+    """What a failed call must leave unchanged: the length, each layer's token counts and the sums
+    of every tensor it holds (an offloaded tier: its table and live records), the bytes reported
+    (without offloading: an offloaded tier keeps a memo of record addresses that attention may
+    have made for the same table), and an adaptive budget's measurements."""
+    layers = []
+    for layer in cache.layers:
+        if not hasattr(layer, "token_counts"):
+            continue
+        tiers = dict(layer.tier_tensors())
+        if layer.is_initialized:  # the hot buffer's used part (its spare capacity holds anything)
+            tiers["hot"] = list(layer.hot.view())
+        cold = layer.cold
+        if getattr(cold, "store", None) is not None:  # offloaded: the live records, not the memos
+            # (record addresses) or the checksums of free slots, which a failed call may touch
+            live = []
+            if cold.table is not None:  # the table, and the records it names (read: crc-checked on disk)
+                ids = cold.table.flatten()
+                live = [cold.table, cold.store.read(ids[ids >= 0])]
+            tiers["cold"] = list(cold.fields.values()) + live
+        sums = tuple((name, tuple(float(t.double().sum()) for t in ts)) for name, ts in sorted(tiers.items()))
+        layers.append((layer.seen, tuple(sorted(layer.token_counts().items())), sums))
+    offloading = any(getattr(getattr(layer, "cold", None), "store", None) is not None for layer in cache.layers)
+    reported = None if offloading else cache.memory_report().total_bytes  # offloaded: its address memo may differ
+    return cache.get_seq_length(), tuple(layers), reported, repr(cache.allocation())
+
+
+def state_case(seed: int) -> tuple[bool, str]:
+    """A drawn case through two caches (attention as the plan picks). After every call: each layer
+    holds ``seen`` token slots (evicted + cold + warm + hot) and, without an offloaded tier, the
+    bytes reported are the bytes reachable. At one drawn call a drawn layer's settle fails after
+    moving its tokens (an injected fault): the call must raise, leave the cache as it was, and the
+    same call retried must give bit for bit the logits of the cache that never failed, to the end."""
+    from kvtier.cache.state import LayerState
+    from kvtier.diagnostics import reachable_tensor_bytes
+
+    case = draw_case(seed)
+    model, policy, ids, mask, chunks, desc = case.model, case.policy, case.ids, case.mask, case.chunks, case.desc
+    rng = random.Random(-seed - 1)
+    fail_call, fail_layer = rng.randrange(len(chunks)), rng.randrange(model.config.num_hidden_layers)
+    armed = [False]
+    real_move = LayerState._move
+
+    def move(self, token_valid):
+        real_move(self, token_valid)
+        if armed[0] and self.layer_idx == fail_layer:
+            raise InjectedFault("injected")
+
+    problems: list[str] = []
+    LayerState._move = move
+    try:
+        with kvtier.enable(model), warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            clean = kvtier.TieredCache(model.config, policy)
+            faulty = kvtier.TieredCache(model.config, policy)
+            s = 0
+            for i, c in enumerate(chunks):
+                args = dict(input_ids=ids[:, s : s + c], attention_mask=mask[:, : s + c])
+                want = model(**args, cache=clean).logits
+                if i == fail_call:
+                    before = _fingerprint(faulty)
+                    armed[0] = True
+                    try:
+                        model(**args, cache=faulty)
+                        problems.append(f"call {i}: the injected fault did not raise")
+                    except InjectedFault:
+                        pass
+                    finally:
+                        armed[0] = False
+                    if _fingerprint(faulty) != before:
+                        problems.append(f"call {i}: a failed call (layer {fail_layer}) changed the cache")
+                got = model(**args, cache=faulty).logits
+                if not torch.equal(got, want):
+                    diff = float((got.float() - want.float()).abs().max())
+                    problems.append(f"call {i}: logits differ from the cache that never failed by {diff:.3g}")
+                s += c
+                for layer in clean.layers:
+                    counts = layer.token_counts()
+                    held = counts["evicted"] + counts["cold"] + counts["warm"] + counts["hot"]
+                    if held != layer.seen:
+                        problems.append(f"call {i}: layer {layer.layer_idx} holds {counts}, seen {layer.seen}")
+                if policy.cold != "offload":
+                    reported, reachable = clean.memory_report().total_bytes, reachable_tensor_bytes(clean)
+                    if reported != reachable:
+                        problems.append(f"call {i}: {reported} bytes reported, {reachable} reachable")
+                if problems:
+                    break
+    except Exception as err:  # noqa: BLE001 - anything else raised is a finding
+        problems.append(f"raised {type(err).__name__}: {err}")
+    finally:
+        LayerState._move = real_move
+    if problems:
+        return False, f"{problems[0]} (+{len(problems) - 1} more; fault at call {fail_call}, layer {fail_layer})\n  {desc}"
+    return True, desc
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0, help="the first case's seed (cases take seed, seed+1, ...)")
     ap.add_argument("--tol", type=float, default=1e-4, help="largest output difference, relative to max |output|")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--states", action="store_true", help="check the cache's invariants and an injected fault instead of backends"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     failures, t0 = 0, time.time()
     for i in range(args.cases):
-        ok, what = one_case(args.seed + i, args.tol)
+        ok, what = state_case(args.seed + i) if args.states else one_case(args.seed + i, args.tol)
         if not ok:
             failures += 1
             print("FAIL", what, flush=True)

@@ -294,3 +294,61 @@ def test_budget_holds_from_fit_tokens_with_blocks_waiting_for_a_group(llama, kee
     # up to g - 1 blocks wait in the warm tier for a whole eviction group: the cold widths are
     # chosen with their warm bytes reserved (these budgets ran over at fit_tokens without that)
     _stream_within_budget(llama, bits, keep)
+
+
+# --- the warm-up and faults ----------------------------------------------------------------------
+def test_a_warm_cap_waits_for_the_allocation(llama):
+    # warm_tokens on an adaptive policy caps the warm tier once allocated; during the warm-up every
+    # block stays warm, else a one-call prefill would allocate at the first layer's step-down,
+    # before the other layers joined (they got the narrowest widths, silently)
+    ids = token_ids(400, seed=14)
+    caches = {}
+    for cap in (None, 32):
+        cache = kvtier.TieredCache(llama.config, adaptive_policy(4.5, keep=1.0).replace(warm_tokens=cap))
+        with kvtier.enable(llama), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", kvtier.BudgetWarning)
+            llama(ids, cache=cache, use_cache=True)
+        caches[cap] = cache
+    widths = {
+        cap: {i: (r["key_bits"], r["value_bits"]) for i, r in c.allocation()["layers"].items()}
+        for cap, c in caches.items()
+    }
+    assert len(widths[32]) == llama.config.num_hidden_layers
+    assert None not in {w for kv in widths[32].values() for w in kv}
+    assert widths[32] == widths[None]  # the same measurements, so the same allocation
+    assert all(layer.token_counts()["warm"] <= 32 for layer in caches[32].layers)  # and the cap holds
+
+
+@pytest.mark.parametrize("fail_layer", [0, 3])
+def test_a_failed_call_puts_the_budget_back(llama, monkeypatch, fail_layer):
+    # a call that fails during the warm-up (here: the call that would end it) leaves the budget's
+    # measurements and allocation as they were; the same call again gives what a cache that never
+    # failed gives, bit for bit
+    from kvtier.cache.state import LayerState
+
+    real = LayerState._move
+    armed = [False]
+
+    def move(self, token_valid):
+        real(self, token_valid)
+        if armed[0] and self.layer_idx == fail_layer:
+            raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(LayerState, "_move", move)
+    policy = adaptive_policy(4.0, keep=0.5)
+    ids = token_ids(160, seed=15)
+    clean, faulty = kvtier.TieredCache(llama.config, policy), kvtier.TieredCache(llama.config, policy)
+    with kvtier.enable(llama), torch.no_grad():
+        for s in range(0, 160, 32):
+            want = llama(ids[:, s : s + 32], cache=clean, use_cache=True).logits
+            if s == 32:  # the warm-up (64 tokens) ends in this call
+                before = repr(faulty.allocation()), [e.tokens for e in faulty.budgets[policy].errors.values()]
+                armed[0] = True
+                with pytest.raises(RuntimeError, match="disk on fire"):
+                    llama(ids[:, s : s + 32], cache=faulty, use_cache=True)
+                armed[0] = False
+                after = repr(faulty.allocation()), [e.tokens for e in faulty.budgets[policy].errors.values()]
+                assert after == before and not faulty.allocation()["allocated"]
+            got = llama(ids[:, s : s + 32], cache=faulty, use_cache=True).logits
+            assert torch.equal(got, want), s
+    assert faulty.allocation() == clean.allocation() and clean.allocation()["allocated"]

@@ -45,6 +45,7 @@ How the allocation works (calibration-free: it measures the text being cached):
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 
@@ -430,6 +431,23 @@ class Budget:
         self._rates: tuple[float, float, float] | None = None
         j, g = self.adaptive.keep_blocks
         self.keep = j / g  # cold tokens kept per token stepping down (the eviction rung)
+
+    # --- all or nothing -------------------------------------------------------------------------
+    def snapshot(self) -> object | None:
+        """What a failed call must put back (:meth:`restore`): during the warm-up a copy of the
+        measurements (fp64 ``[H, D]`` per width and layer: small) and the shape; None once allocated
+        (nothing here changes after)."""
+        if self.widths is not None:
+            return None
+        return copy.deepcopy(self.errors), self.shape
+
+    def restore(self, snap: object | None) -> None:
+        """Put back what :meth:`snapshot` took (a failed call's measurements and any allocation it
+        made are forgotten)."""
+        if snap is None:
+            return
+        self.errors, self.shape = snap  # type: ignore[misc]
+        self.widths, self.families, self._rates = None, {}, None
 
     # --- what layers call ----------------------------------------------------------------------
     def join(self, layer_idx: int, batch: int, heads: int, dim: int, model_dtype: torch.dtype) -> None:

@@ -38,7 +38,9 @@ Crop (assisted and prompt-lookup decoding roll back rejected draft tokens): betw
 With ``policy.adaptive`` the layer shares a :class:`~kvtier.cache.adaptive.Budget` with the other
 layers of its cache: blocks entering warm are measured during the warm-up, the cold tier is created
 with the widths the budget allocates to this layer, and the warm capacity follows the budget
-(:meth:`Budget.warm_blocks`) instead of ``warm_tokens`` (which then only caps it). With the
+(:meth:`Budget.warm_blocks`) instead of ``warm_tokens`` (which then only caps it, from the
+allocation on: during the warm-up every block stays warm). A failed call puts the budget's
+measurements back with the tiers (:meth:`Budget.snapshot`, taken by the cache). With the
 eviction rung (``adaptive.keep < 1``) warm blocks step down ``g`` at a time and only ``keep`` of
 their tokens, per sequence and KV head the ones the step's queries attend to most, enter cold
 (:func:`~kvtier.cache.adaptive.select_by_attention`; the dropped ones count as ``evicted``). The
@@ -559,12 +561,18 @@ class LayerState:
                 bvalid = valid.reshape(B, 1, incoming, T)
                 blocks = [x.reshape(B, x.shape[1], incoming, T, x.shape[3]) for x in (k, v)]
                 self.budget.errors[self._budget_idx].observe_block(*blocks, bvalid)
-            cold_held = 0 if self.cold is None else math.ceil(self.cold.nblocks / self.budget.keep - 1e-9)
-            held = warm.nblocks + incoming + cold_held  # cold blocks counted before eviction
-            cap = min(cap, self.budget.warm_blocks(self.seen, held))
-            group = self.budget.adaptive.keep_blocks[1]
-            if group > 1:  # the eviction rung steps down whole groups: up to g - 1 wait in warm
-                cap = max(0, cap - (group - 1))
+            if self.budget.measuring(self.seen):
+                # the warm-up keeps every block warm, ``warm_tokens`` too: a block stepping down now
+                # would make the allocation before the other layers measured anything (they would
+                # get the narrowest widths); the cap applies once allocated (here, or in rebalance)
+                cap = math.inf
+            else:
+                cold_held = 0 if self.cold is None else math.ceil(self.cold.nblocks / self.budget.keep - 1e-9)
+                held = warm.nblocks + incoming + cold_held  # cold blocks counted before eviction
+                cap = min(cap, self.budget.warm_blocks(self.seen, held))
+                group = self.budget.adaptive.keep_blocks[1]
+                if group > 1:  # the eviction rung steps down whole groups: up to g - 1 wait in warm
+                    cap = max(0, cap - (group - 1))
         overflow = int(max(0, warm.nblocks + incoming - cap))
         if self.budget is not None:
             overflow -= overflow % self.budget.adaptive.keep_blocks[1]

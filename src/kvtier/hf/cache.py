@@ -80,6 +80,7 @@ class _Call:
         self.thread = threading.current_thread()
         self.journals: dict[int, tuple[TieredLayer, Journal]] = {}
         self.done = 0
+        self.budgets: list[tuple[Budget, object]] = []  # each budget's state before the call (its snapshot)
 
 
 class TieredCache(Cache):
@@ -266,6 +267,7 @@ class TieredCache(Cache):
                 if epoch <= self._epoch:
                     raise self._misuse()
                 call = self._call = _Call(epoch)
+                call.budgets = [(b, b.snapshot()) for b in self.budgets.values()]
             layer.journal = Journal(layer)
             call.journals[idx] = (layer, layer.journal)
 
@@ -305,6 +307,8 @@ class TieredCache(Cache):
             for layer, journal in reversed(list(call.journals.values())):
                 journal.rollback(layer)
                 self._bytes.pop(layer.layer_idx, None)
+            for budget, snap in call.budgets:  # the warm-up's measurements and allocation, as before the call
+                budget.restore(snap)
         except BaseException as undo_err:
             first = err if err is not None else undo_err
             self._fault = f"{type(first).__name__}: {first}"
