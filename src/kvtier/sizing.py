@@ -12,6 +12,7 @@ offloaded store's slab plan is replayed slab by slab, so its cost grows with ``b
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,7 +208,8 @@ def layer_estimate(
     blocks = hot_start // T
     warm_cap = blocks if policy.warm_tokens is None else min(blocks, policy.warm_tokens // T)
     if budget is not None:  # sized when the last block left the hot window (one token at a time: here)
-        warm_cap = int(min(warm_cap, budget.warm_blocks(hot_start + policy.hot_tokens, blocks, planned=True)))
+        room = budget.warm_blocks(hot_start + policy.hot_tokens, blocks, planned=True)
+        warm_cap = blocks if math.isinf(room) else int(min(warm_cap, room))  # the warm-up: every block warm
         group = budget.adaptive.keep_blocks[1]  # the eviction rung steps down whole groups
         if group > 1:  # (kvtier.cache.state.LayerState._push_warm: up to g - 1 wait in warm)
             warm_cap = max(0, warm_cap - (group - 1))
