@@ -352,3 +352,20 @@ def test_a_failed_call_puts_the_budget_back(llama, monkeypatch, fail_layer):
             got = llama(ids[:, s : s + 32], cache=faulty, use_cache=True).logits
             assert torch.equal(got, want), s
     assert faulty.allocation() == clean.allocation() and clean.allocation()["allocated"]
+
+
+def test_plan_prices_a_warm_cap_from_the_warm_up_on(llama):
+    # kvtier plan's token slots per tier equal the run's on a capped stream, inside the warm-up
+    # (every block warm) and after it (the cap and the budget)
+    base = adaptive_policy(4.5, keep=1.0)
+    policy = base.replace(warm_tokens=32, adaptive=dataclasses.replace(base.adaptive, warmup_tokens=128))
+    shape = ModelShape("tiny", ["full_attention"] * llama.config.num_hidden_layers, 2, 16)
+    cache = kvtier.TieredCache(llama.config, policy)
+    ids = token_ids(320, seed=1)
+    with kvtier.enable(llama), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", kvtier.BudgetWarning)
+        for s in range(0, 320, 16):
+            llama(ids[:, s : s + 16], cache=cache, use_cache=True)
+            if (s + 16) % 32 == 0:
+                planned = estimate(shape, s + 16, policy, 1, torch.float32)
+                assert planned.tokens == cache.memory_report().tokens, s + 16
