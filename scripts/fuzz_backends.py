@@ -15,7 +15,9 @@ failed. Imports kvtier only (``kvtier.testing`` builds the models).
 ``--states``: the same draws through two caches as the plan picks the path; after every call each
 layer holds ``seen`` token slots and (without offloading) reports the bytes reachable from it; at a
 drawn call a drawn layer's settle fails after moving its tokens, and the cache must be as before
-the call, the retried call bit for bit what the cache that never failed gives.
+the call, the retried call bit for bit what the cache that never failed gives; after another drawn
+call a deep copy and a pickled copy go on beside and must give the same logits (offloading: both
+refused).
 
     python scripts/fuzz_backends.py --cases 3000 --threads 2
     python scripts/fuzz_backends.py --states --cases 1000 --threads 2
@@ -24,6 +26,8 @@ the call, the retried call bit for bit what the cache that never failed gives.
 from __future__ import annotations
 
 import argparse
+import copy
+import pickle
 import random
 import sys
 import time
@@ -244,6 +248,26 @@ def _fingerprint(cache) -> tuple:
     return cache.get_seq_length(), tuple(layers), reported, repr(cache.allocation())
 
 
+def _copies(cache, policy: TierPolicy, problems: list[str], i: int) -> list:
+    """``[(name, copy)]``: a ``copy.deepcopy`` and a pickled round trip of ``cache`` between calls;
+    an offloading cache must refuse both (its records are this process's) and stay usable."""
+    from kvtier.offload.store import OffloadError
+
+    makers = {"deep copy": copy.deepcopy, "pickled copy": lambda c: pickle.loads(pickle.dumps(c))}
+    out = []
+    for name, make in makers.items():
+        try:
+            twin = make(cache)
+        except OffloadError:
+            if policy.cold != "offload":
+                problems.append(f"call {i}: the {name} was refused without offloading")
+            continue
+        if policy.cold == "offload":
+            problems.append(f"call {i}: an offloading cache made a {name}")
+        out.append((name, twin))
+    return out
+
+
 def state_case(seed: int) -> tuple[bool, str]:
     """A drawn case through two caches (attention as the plan picks). After every call: each layer
     holds ``seen`` token slots (evicted + cold + warm + hot) and, without an offloaded tier, the
@@ -257,6 +281,8 @@ def state_case(seed: int) -> tuple[bool, str]:
     model, policy, ids, mask, chunks, desc = case.model, case.policy, case.ids, case.mask, case.chunks, case.desc
     rng = random.Random(-seed - 1)
     fail_call, fail_layer = rng.randrange(len(chunks)), rng.randrange(model.config.num_hidden_layers)
+    copy_call = rng.randrange(len(chunks))  # after it: a deep copy and a pickled copy go on beside
+    twins: list = []
     armed = [False]
     real_move = LayerState._move
 
@@ -292,6 +318,11 @@ def state_case(seed: int) -> tuple[bool, str]:
                 if not torch.equal(got, want):
                     diff = float((got.float() - want.float()).abs().max())
                     problems.append(f"call {i}: logits differ from the cache that never failed by {diff:.3g}")
+                for name, twin in twins:
+                    if not torch.equal(model(**args, cache=twin).logits, want):
+                        problems.append(f"call {i}: the {name} gives other logits than the original")
+                if i == copy_call:
+                    twins = _copies(clean, policy, problems, i)
                 s += c
                 for layer in clean.layers:
                     counts = layer.token_counts()

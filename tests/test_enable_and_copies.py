@@ -87,3 +87,19 @@ def test_shallow_copy_is_refused_in_one_line(llama):
     with pytest.raises(KVTierError, match="copy.deepcopy") as info:
         copy.copy(cache)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("policy", ["default:vq3/3", "adaptive@3:codes=vq", "adaptive"])
+def test_pickle_round_trip_of_fp8_fields(llama, policy):
+    """Tiers holding 1-byte floats (fp8 codes, fp8 parameters of the vq and adaptive codes) load
+    back: torch pickles a float8 tensor that pickle.loads cannot read (torch 2.13), so they travel
+    as bytes; the loaded cache goes on like the original, bit for bit."""
+    cache = kvtier.TieredCache(llama.config, policy)
+    with kvtier.enable(llama):
+        feed(llama, cache, random_ids(1200, seed=9))
+    held = [t.dtype for layer in cache.tiered_layers for ts in layer.tier_tensors().values() for t in ts]
+    assert torch.float8_e4m3fn in held  # the case this covers
+    loaded = pickle.loads(pickle.dumps(cache))
+    with kvtier.enable(llama):
+        for part in (random_ids(64, seed=10), random_ids(1, seed=11)):
+            torch.testing.assert_close(feed(llama, loaded, part), feed(llama, cache, part), rtol=0, atol=0)

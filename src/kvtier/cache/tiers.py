@@ -223,6 +223,22 @@ class BlockTier(Tier):
     def nblocks(self) -> int:
         return 0 if not self.fields else self.fields["valid"].shape[2]
 
+    def __getstate__(self) -> dict:
+        """For ``pickle`` (``copy.deepcopy`` too): 1-byte float fields (fp8 codes and parameters)
+        travel as their bytes, ``(uint8 view, dtype)``: torch pickles a float8 tensor that
+        ``pickle.loads`` cannot read back (torch 2.13: "UntypedStorage has no attribute dtype"),
+        so a pickled cache would be written and then lost."""
+        state = dict(self.__dict__)
+        state["fields"] = {
+            name: (t.view(torch.uint8), t.dtype) if t.is_floating_point() and t.element_size() == 1 else t
+            for name, t in self.fields.items()
+        }
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        fields = {name: t[0].view(t[1]) if isinstance(t, tuple) else t for name, t in state.pop("fields").items()}
+        self.__dict__.update(state, fields=fields)
+
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         B, H, n, D = x.shape
         return x.reshape(B, H, n // self.block_tokens, self.block_tokens, D)
