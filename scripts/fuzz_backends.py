@@ -42,7 +42,7 @@ from kvtier.attention import interface
 from kvtier.attention import plan as plan_mod
 from kvtier.attention.reference import reference_attention
 from kvtier.attention.tiered import tiered_attention
-from kvtier.testing import tiny_llama
+from kvtier.testing import feed_chunks, tiny_llama
 
 BACKENDS = ("torch", "cpu", "fused")
 
@@ -120,15 +120,6 @@ def draw_model(rng: random.Random):
         intermediate_size=64,
     )
     return model, dim, dict(head_dim=dim, kv_heads=kv, gqa=gqa, dtype=str(dtype).removeprefix("torch."))
-
-
-def feed(model, cache, ids, mask, chunks):
-    out, s = [], 0
-    with torch.no_grad():
-        for c in chunks:
-            out.append(model(ids[:, s : s + c], attention_mask=mask[:, : s + c], cache=cache).logits)
-            s += c
-    return torch.cat(out, 1)
 
 
 class Case(NamedTuple):
@@ -209,7 +200,7 @@ def one_case(seed: int, tol: float) -> tuple[bool, str]:
     try:
         with kvtier.enable(model), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            feed(model, kvtier.TieredCache(model.config, policy, attention="reference"), ids, mask, chunks)
+            feed_chunks(model, kvtier.TieredCache(model.config, policy, attention="reference"), ids, mask, chunks)
     finally:
         interface.tiered_attention = tiered_attention
     if found:

@@ -25,6 +25,7 @@ from kvtier.attention import plan as plan_mod
 from kvtier.attention.reference import reference_attention
 from kvtier.attention.tiered import tiered_attention
 from kvtier.policy import OffloadPolicy, SparsePolicy
+from kvtier.testing import feed_chunks
 
 BACKENDS = ["torch", "cpu", "fused", "triton"]
 
@@ -136,15 +137,6 @@ def test_long_calls_attend_densely_under_sparse_policy(backend, q):
 # --- whole models through TieredCache(attention=...) ------------------------------------------------
 
 
-def _feed(model, cache, ids, mask, chunks):
-    outs, s = [], 0
-    for c in chunks:
-        with torch.no_grad():
-            outs.append(model(ids[:, s : s + c], cache=cache, attention_mask=mask[:, : s + c], use_cache=True).logits)
-        s += c
-    return torch.cat(outs, 1)
-
-
 MODEL_POLICIES = {
     "tokens": TierPolicy(
         hot_tokens=9,
@@ -183,7 +175,7 @@ def test_model_backends_match_reference(model, backend, name):
     with kvtier.enable(model):
         for attention in ("reference", backend):
             with kvtier.TieredCache(model.config, MODEL_POLICIES[name], attention=attention) as cache:
-                logits[attention] = _feed(model, cache, ids, mask, chunks)
+                logits[attention] = feed_chunks(model, cache, ids, mask, chunks)
     real = mask.bool()
     assert (logits[backend] - logits["reference"])[real].abs().max() < 1e-3
 

@@ -18,23 +18,12 @@ import kvtier
 from kvtier import PRESETS, TieredCache, TierPolicy
 from kvtier.attention import plan as plan_mod
 from kvtier.policy import OffloadPolicy, SparsePolicy
-from kvtier.testing import random_ids, tiny_qwen2
+from kvtier.testing import feed_chunks, random_ids, tiny_qwen2
 
 
 @pytest.fixture(scope="module")
 def qwen():
     return tiny_qwen2()
-
-
-def _feed(model, cache, ids, mask, chunks) -> torch.Tensor:
-    """Feed ``ids`` in ``chunks`` (then one token at a time for the rest); logits of every position."""
-    out, pos = [], 0
-    with torch.no_grad():
-        for c in chunks:
-            part = ids[:, pos : pos + c]
-            pos += c
-            out.append(model(part, attention_mask=mask[:, :pos], cache=cache, use_cache=True).logits)
-    return torch.cat(out, dim=1)
 
 
 def test_the_tiny_model_has_the_real_models_attention_shape(qwen):
@@ -93,7 +82,7 @@ def test_forced_backends_match_the_reference_at_head_dim_128(qwen, backend, name
     with kvtier.enable(qwen):
         for attention in ("reference", backend):
             with TieredCache(qwen.config, POLICIES[name], attention=attention) as cache:
-                logits[attention] = _feed(qwen, cache, ids, mask, chunks)
+                logits[attention] = feed_chunks(qwen, cache, ids, mask, chunks)
     real = mask.bool()
     assert torch.isfinite(logits[backend][real]).all()
     err = (logits[backend] - logits["reference"])[real].abs().max().item()
@@ -111,7 +100,7 @@ def test_every_preset_runs_past_its_windows(qwen, preset):
     mask = torch.ones_like(ids)
     with kvtier.enable(qwen):
         with TieredCache(qwen.config, preset) as cache:
-            logits = _feed(qwen, cache, ids, mask, [512, 512, 272, 1, 1, 1, 1])
+            logits = feed_chunks(qwen, cache, ids, mask, [512, 512, 272, 1, 1, 1, 1])
             assert cache.get_seq_length() == 1300
             report = cache.memory_report()
     assert torch.isfinite(logits).all()
@@ -135,7 +124,7 @@ def test_adaptive_budget_allocates_and_holds_at_head_dim_128(qwen):
     )
     with kvtier.enable(qwen):
         with TieredCache(qwen.config, policy) as cache:
-            logits = _feed(qwen, cache, ids, mask, [100, 100, 400, 500, 500, 400, 100])
+            logits = feed_chunks(qwen, cache, ids, mask, [100, 100, 400, 500, 500, 400, 100])
             alloc = cache.allocation()
             report = cache.memory_report()
     assert torch.isfinite(logits).all()

@@ -89,3 +89,15 @@ def feed(model, cache, ids: torch.Tensor, chunk: int = 256) -> torch.Tensor:  # 
         with torch.no_grad():
             out = model(ids[:, s : s + chunk], cache=cache, use_cache=True).logits
     return out
+
+
+def feed_chunks(model, cache, ids: torch.Tensor, mask: torch.Tensor, chunks) -> torch.Tensor:  # noqa: ANN001
+    """Run ``ids [B, N]`` through ``model`` with ``cache`` in calls of ``chunks`` tokens (uneven
+    sizes summing to at most ``N``), ``mask [B, N]`` the attention mask (left padding included);
+    logits of every position fed, ``[B, sum(chunks), vocab]``."""
+    out, pos = [], 0
+    with torch.no_grad():
+        for c in chunks:
+            pos += c
+            out.append(model(ids[:, pos - c : pos], attention_mask=mask[:, :pos], cache=cache, use_cache=True).logits)
+    return torch.cat(out, dim=1)
