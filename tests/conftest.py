@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 # Triton kernels run on CPU tensors through Triton's interpreter (tests/test_triton.py). Triton reads
@@ -14,7 +15,22 @@ from transformers import LlamaForCausalLM  # noqa: E402
 
 from kvtier.testing import tiny_llama, tiny_llama_config  # noqa: E402
 
-__all__ = ["ADAPTER_ERROR", "tiny_llama", "tiny_llama_config"]
+__all__ = ["ADAPTER_ERROR", "kvtier_attention_by_hand", "tiny_llama", "tiny_llama_config"]
+
+
+@contextlib.contextmanager
+def kvtier_attention_by_hand(model):  # noqa: ANN001, ANN201
+    """``model`` on kvtier attention selected by hand, without ``kvtier.enable``'s forward wrapper:
+    a cache's call then opens at the model's first layer and is kept once every layer ran."""
+    from kvtier.hf import attention
+
+    attention.register()
+    previous = attention.attn_implementation(model.config)
+    model.set_attn_implementation("kvtier")
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
 
 
 def _adapter_error() -> str | None:
@@ -38,6 +54,7 @@ collect_ignore = (
             "attention",
             "backends",
             "cache",
+            "calls",
             "doctor",
             "layer",
             "offload",

@@ -151,6 +151,85 @@ def test_report_success_writes_markdown_and_plots(capsys, tmp_path):
     assert pngs and all((out.parent / p).is_file() for p in pngs)
 
 
+def _returns_within(seconds: float, argv: list[str], fifo: Path) -> int:
+    """``main(argv)`` in a thread; fails (instead of hanging the suite) if it is still blocked on ``fifo``."""
+    import os
+    import threading
+
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(main(argv)), daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():  # blocked opening the FIFO: a writer that closes at once lets it go on
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(seconds)
+        pytest.fail(f"kvtier {argv[0]} hung on the FIFO {fifo}")
+    return result[0]
+
+
+def test_report_refuses_a_fifo_a_device_and_a_huge_file_in_one_line(capsys, tmp_path):
+    """``kvtier report /dev/zero`` died with a MemoryError traceback; on a FIFO it hung."""
+    import os
+
+    from kvtier.inputs import MAX_INPUT_BYTES
+
+    out = tmp_path / "NEW" / "out.md"
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    assert _returns_within(10, ["report", str(fifo), "-o", str(out)], fifo) == 2
+    not_regular = "is not a regular file (a FIFO, a device or a socket)"
+    assert _one_line_error(capsys) == f"kvtier report: results file {fifo} {not_regular}"
+    assert main(["report", "/dev/zero", "-o", str(out)]) == 2
+    assert _one_line_error(capsys) == f"kvtier report: results file /dev/zero {not_regular}"
+    huge = tmp_path / "huge.json"
+    with huge.open("wb") as f:
+        f.truncate(MAX_INPUT_BYTES + 1)  # sparse: nothing written
+    assert main(["report", str(huge), "-o", str(out)]) == 2
+    size = f"{MAX_INPUT_BYTES + 1:,} bytes: more than the {MAX_INPUT_BYTES:,} allowed"
+    assert _one_line_error(capsys) == f"kvtier report: results file {huge} is {size}"
+    assert not (tmp_path / "NEW").exists()
+    # kvtier plan reads its config through the same check
+    assert main(["plan", "--model", str(huge), "--seq-len", "10"]) == 2
+    assert _one_line_error(capsys) == f"kvtier plan: --model {huge} is {size}"
+
+
+def test_eval_text_that_is_a_fifo_or_a_device_is_not_called_missing(capsys, tmp_path):
+    """``kvtier eval ppl --text FIFO`` (or /dev/zero) said the file "does not exist"."""
+    import os
+
+    fifo = tmp_path / "book.txt"
+    os.mkfifo(fifo)
+    for path in (str(fifo), "/dev/zero"):
+        assert main(["eval", "ppl", "--text", path]) == 2
+        line = _one_line_error(capsys)
+        assert line == f"kvtier eval ppl: text file {path} is not a regular file (a FIFO, a device or a socket)"
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        texts.load_texts([tmp_path])
+
+
+def test_doctor_takes_preset_variants_and_refuses_a_bad_name_before_loading(capsys, monkeypatch):
+    """``kvtier doctor --preset`` took only the preset names (argparse choices), not the variants
+    every other command takes."""
+    import kvtier.models
+
+    loaded = []
+
+    def load_model(name, **kwargs):  # noqa: ANN001, ANN003
+        loaded.append(name)
+        raise RuntimeError("the model would load here")
+
+    monkeypatch.setattr(kvtier.models, "load_model", load_model)
+    for name in ("adaptive@2.5:codes=vq", "default:vq3/3", "default:dense", "chat"):
+        assert main(["doctor", "--preset", name, "--calls", "1"]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == "kvtier doctor: the model would load here"
+    assert loaded == ["smollm2-135m"] * 4
+    assert main(["doctor", "--preset", "default:vq9"]) == 2
+    assert _one_line_error(capsys).startswith("kvtier doctor: cold_bits=9 is not allowed")
+    assert main(["doctor", "--preset", "nope"]) == 2
+    assert _one_line_error(capsys).startswith("kvtier doctor: policy='nope' is not allowed: expected one of [")
+    assert len(loaded) == 4  # refused before any model loads
+
+
 def test_unknown_errors_keep_their_traceback(monkeypatch):
     """Only input errors become one line; anything else is a bug and propagates."""
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kvtier
-from conftest import tiny_llama, tiny_llama_config
+from conftest import kvtier_attention_by_hand, tiny_llama, tiny_llama_config
 from kvtier.errors import KVTierError
 from kvtier.testing import feed, random_ids
 
@@ -171,15 +171,16 @@ def test_one_cache_used_by_one_thread_after_another_keeps_working(llama):
 
 
 def test_a_call_left_open_by_an_ended_thread_is_undone_at_the_next_use(llama):
-    """Thread A's call fails between two layers (outside kvtier) and A ends: the next call from
-    another thread puts the cache back and asks to call again; the call after that is right."""
+    """Thread A's call fails between two layers (outside kvtier, in a model run without
+    ``kvtier.enable``'s wrapper, which would undo it at once) and A ends: the next call from another
+    thread puts the cache back and asks to call again; the call after that is right."""
     ref, cache = kvtier.TieredCache(llama.config, "default"), kvtier.TieredCache(llama.config, "default")
 
     def boom(module, args, out):  # noqa: ANN001, ANN202
         if threading.current_thread().name == "A":
             raise RuntimeError("outside kvtier")
 
-    with kvtier.enable(llama):
+    with kvtier_attention_by_hand(llama):
         for c in (ref, cache):
             feed(llama, c, random_ids(300, seed=13))
         handle = llama.model.layers[2].mlp.register_forward_hook(boom)

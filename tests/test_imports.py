@@ -152,7 +152,14 @@ def test_no_import_cycles():
 #: a lower one, never up. Each entry is a module or package (with everything under it); ``kvtier`` alone
 #: is the top-level package's ``__init__`` (the lazy ``kvtier.TieredCache`` names), not all of kvtier.
 LAYERS = [
-    ["kvtier.errors", "kvtier.stats", "kvtier.indexing", "kvtier.tier", "kvtier.testing"],  # leaf modules
+    [
+        "kvtier.errors",
+        "kvtier.stats",
+        "kvtier.indexing",
+        "kvtier.tier",
+        "kvtier.testing",
+        "kvtier.inputs",
+    ],  # leaf modules
     ["kvtier.policy"],
     ["kvtier.quant"],
     ["kvtier.codecs"],

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvtier
-from conftest import tiny_llama, tiny_llama_config
+from conftest import kvtier_attention_by_hand, tiny_llama, tiny_llama_config
 from kvtier.attention import interface
 from kvtier.errors import CacheFullError, KVTierError
 from kvtier.hf.layer import TieredLayer
@@ -291,11 +291,33 @@ def test_ctrl_c_in_a_move_is_undone(llama, monkeypatch):
         torch.testing.assert_close(_feed(llama, cache, _ids(64, 4)), _feed(llama, ref, _ids(64, 4)), rtol=0, atol=0)
 
 
-def test_call_interrupted_outside_kvtier_is_undone_at_the_next_call(llama):
-    """An exception between two layers (in the model's MLP): kvtier cannot see it; the next call
-    puts the cache back and asks to call again, and the call after that is right."""
+def test_call_interrupted_outside_kvtier_is_undone_at_once(llama):
+    """An exception between two layers (in the model's MLP): ``kvtier.enable``'s forward wrapper
+    undoes the call before the exception reaches the caller, and calling again is right."""
     ref, cache = kvtier.TieredCache(llama.config, "default"), kvtier.TieredCache(llama.config, "default")
     with kvtier.enable(llama):
+        for c in (ref, cache):
+            _feed(llama, c, _ids(1200, seed=3), chunk=128)
+        before = _state(cache)
+
+        def boom(*args):
+            raise Injected("mlp")
+
+        handle = llama.model.layers[2].mlp.register_forward_hook(boom)
+        try:
+            with pytest.raises(Injected):
+                _feed(llama, cache, _ids(64, seed=4))
+        finally:
+            handle.remove()
+        _assert_same(before, _state(cache))
+        torch.testing.assert_close(_feed(llama, cache, _ids(64, 4)), _feed(llama, ref, _ids(64, 4)), rtol=0, atol=0)
+
+
+def test_call_interrupted_outside_kvtier_without_the_wrapper_is_undone_at_the_next_call(llama):
+    """The same without the wrapper (kvtier attention selected by hand): kvtier cannot see the
+    exception; the next call puts the cache back and asks to call again, and the call after that is right."""
+    ref, cache = kvtier.TieredCache(llama.config, "default"), kvtier.TieredCache(llama.config, "default")
+    with kvtier_attention_by_hand(llama):
         for c in (ref, cache):
             _feed(llama, c, _ids(1200, seed=3), chunk=128)
         before = _state(cache)

@@ -106,7 +106,8 @@ def test_pages_and_store_together(tmp_path):
     assert "blocks stored as their packed pages" in plan.summary
 
 
-def test_store_shared_through_redis(tmp_path, capsys):
+def test_store_shared_through_redis(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("K", "11" * 32)
     plan = plan_serve(
         "some/model", store="default", remote="redis://:pw@127.0.0.1:6379/2", remote_ttl=600, remote_key="env:K",
         environ={},
@@ -123,3 +124,25 @@ def test_store_shared_through_redis(tmp_path, capsys):
         plan_serve("m", store="default", remote_ttl=5, environ={})
     with pytest.raises(ValueError, match="remote="):
         plan_serve("m", store="default", remote="http://h:1", environ={})
+
+
+def test_dry_run_refuses_an_empty_model_and_a_remote_key_the_server_could_not_read(tmp_path, capsys, monkeypatch):
+    """``kvtier serve "" --dry-run`` and ``--remote-key env:UNSET --dry-run`` passed; both failed only
+    after the server's start. The key is read as the server reads it (``load_key``)."""
+    assert main(["serve", "", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "kvtier serve: MODEL is empty: expected a built-in name (smollm2-135m, ...) or a model folder"
+    monkeypatch.delenv("KVTIER_TEST_KEY", raising=False)
+    (tmp_path / "short").write_text("11" * 16)
+    remote = ["serve", "m", "--store", "default", "--remote", "redis://h:1/0", "--dry-run", "--remote-key"]
+    for source, message in (
+        ("env:KVTIER_TEST_KEY", "the environment variable KVTIER_TEST_KEY is not set"),
+        (f"file:{tmp_path / 'missing'}", "the key file cannot be read (No such file or directory)"),
+        (f"file:{tmp_path / 'short'}", "expected a 32-byte key as 64 hex digits or base64"),
+    ):
+        assert main([*remote, source]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"kvtier serve: remote_key={source!r}: {message}"
+    monkeypatch.setenv("KVTIER_TEST_KEY", "11" * 32)
+    assert main([*remote, "env:KVTIER_TEST_KEY"]) == 0
+    assert "11" * 32 not in capsys.readouterr().err  # the command names the source, never the key

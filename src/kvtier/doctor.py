@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .policy import PRESETS, TierPolicy, get_policy
+from .policy import TierPolicy, get_policy
 
 #: A step of the loop: ``loop(model, input_ids, cache)`` runs one request with ``cache`` and
 #: returns the output ids (``[B, T]``; the next input in ``reuse`` mode) or None.
@@ -734,7 +734,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Exit status: 0 clean, 1 a leak or something left behind, 2 an error.",
     )
     p.add_argument("--model", default="smollm2-135m", help="built-in name or a local model folder (offline)")
-    p.add_argument("--preset", default="default", choices=list(PRESETS))
+    p.add_argument(
+        "--preset",
+        default="default",
+        help="a preset or a preset variant, as kvtier eval and plan name them: adaptive@2.5:codes=vq, "
+        "default:vq3/3, default:dense, ... (checked before the model loads)",
+    )
     p.add_argument("--calls", type=_positive, default=100)
     p.add_argument("--new-tokens", type=_positive, default=8)
     p.add_argument("--prompt-tokens", type=_positive, default=512)

@@ -21,6 +21,7 @@ import torch
 
 from .cache.tiers import hot_capacity
 from .codecs import make_codecs, storage_dtype
+from .inputs import read_input
 from .policy import PRESETS, TierPolicy, get_policy
 
 #: Built-in model shapes: layers, KV heads, head_dim (all full-attention layers).
@@ -96,14 +97,15 @@ def model_shape(model: str) -> ModelShape:
         return ModelShape(model, ("full_attention",) * c["num_hidden_layers"], c["num_key_value_heads"], c["head_dim"])
     path = Path(model)
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        if not (path / "config.json").exists():
             raise ValueError(f"--model {model!r}: the folder holds no config.json")
         path = path / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"--model {model!r}: expected one of {sorted(BUILTIN)} or a path to a config.json")
+    data = read_input(path, "--model")  # a FIFO, a device or a huge file: refused in one line
     try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        cfg = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{path}: not a readable JSON config ({err})") from None
     if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):
         cfg = cfg["text_config"]

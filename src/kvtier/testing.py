@@ -1,7 +1,7 @@
 """Tiny random models built in code (no files, no network), for the tests and the benchmarks that
 need a model but not a real one (``tests/conftest.py``, ``benchmarks/soak.py``): a Llama (head dim
-16) and a Qwen2 with the real Qwen2.5-Coder-1.5B's attention shape (head dim 128, 6:1 GQA, q/k/v
-biases, rope theta 1e6).
+16), a Qwen2 with the real Qwen2.5-Coder-1.5B's attention shape (head dim 128, 6:1 GQA, q/k/v
+biases, rope theta 1e6) and a hybrid Gemma 3 (sliding-window layers beside a full-attention one).
 
 May import: torch and transformers.
 """
@@ -9,7 +9,14 @@ May import: torch and transformers.
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 #: Vocabulary and special tokens of every tiny model (token ids 3..96 are plain text).
 _TOKENS: dict[str, object] = dict(vocab_size=97, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -75,6 +82,31 @@ def tiny_qwen2(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: o
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0.0, 0.5)
     return _decisive(model)
+
+
+def tiny_gemma3_config(**overrides: object) -> Gemma3TextConfig:
+    """A hybrid Gemma 3 text model: 4 layers, 3 sliding (window 64) then 1 full attention, hidden 64,
+    2 query / 1 KV head of dim 32, vocabulary 97; ``overrides`` replace fields."""
+    cfg: dict[str, object] = dict(
+        _TOKENS,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=64,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=4096,
+    )
+    cfg.update(overrides)
+    return Gemma3TextConfig(**cfg)
+
+
+def tiny_gemma3(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: object) -> Gemma3ForCausalLM:
+    """A random :func:`tiny_gemma3_config` model in eval mode, seeded, ``lm_head`` scaled as in :func:`tiny_llama`."""
+    torch.manual_seed(seed)
+    return _decisive(Gemma3ForCausalLM(tiny_gemma3_config(**overrides)).to(dtype).eval())
 
 
 def random_ids(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:

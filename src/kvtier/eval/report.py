@@ -10,8 +10,9 @@ import shutil
 from collections import defaultdict
 from pathlib import Path
 
+from ..inputs import read_input
 from .plots import plots_for
-from .results import load
+from .results import loads
 
 
 def _table(header: list[str], rows: list[list]) -> str:
@@ -141,17 +142,16 @@ def _row_key(row: dict) -> tuple:
 
 
 def _load_all(paths: list[str | Path]) -> list[dict]:
-    """Every results file, checked; a ValueError naming the file otherwise."""
+    """Every results file, checked; an OSError or ValueError naming the file otherwise."""
     docs = []
     for p in paths:
+        data = read_input(p, "results file")  # missing, a folder, a FIFO, a device, too large: says so
         try:
-            docs.append(load(p))
+            docs.append(loads(data))
         except ValueError as err:  # not JSON (json.JSONDecodeError), or not the schema
             raise ValueError(f"{p}: {err}") from None
         except (TypeError, KeyError, AttributeError) as err:  # JSON, but not an object of the schema's shape
             raise ValueError(f"{p}: not a results document ({type(err).__name__}: {err})") from None
-        except OSError as err:  # missing, a folder, unreadable
-            raise type(err)(f"results file {p}: {err.strerror or err}") from None
     return docs
 
 
@@ -183,7 +183,8 @@ def build_report(paths: list[str | Path], out: str | Path) -> Path:
 
     Raises
     ------
-    FileNotFoundError : a results file is missing. ValueError : one is not valid results.
+    FileNotFoundError : a results file is missing. ValueError : one is not valid results, not a
+    regular file (a FIFO, a device) or over ``kvtier.sizing.MAX_INPUT_BYTES``.
     OSError : ``out`` cannot be written. Nothing is left behind in either case.
     """
     out = Path(out)

@@ -115,6 +115,15 @@ def save(doc: dict[str, Any], path: str | Path) -> Path:
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    doc = json.loads(Path(path).read_text())
+    """The results document in ``path``, a regular file of at most ``kvtier.sizing.MAX_INPUT_BYTES``
+    (else OSError or ValueError, in one line: a FIFO would hang, ``/dev/zero`` fill memory), checked."""
+    from ..inputs import read_input
+
+    return loads(read_input(path, "results file"))
+
+
+def loads(data: bytes | str) -> dict[str, Any]:
+    """The results document in ``data`` (JSON), checked (:func:`validate`)."""
+    doc = json.loads(data)
     validate(doc)
     return doc

@@ -14,6 +14,8 @@ import re
 from importlib import resources
 from pathlib import Path
 
+from ..inputs import read_input
+
 #: The book shipped as package data (``kvtier/data/<name>.txt``).
 SHIPPED_BOOK = "dracula"
 
@@ -56,7 +58,8 @@ def load_texts(paths: list[str | Path] | None = None, limit: int | None = None) 
 
     Raises
     ------
-    FileNotFoundError : a given file is missing.
+    FileNotFoundError : a given file is missing. IsADirectoryError : it is a folder. ValueError : it
+        is not a regular file (a FIFO, a device) or is over ``kvtier.sizing.MAX_INPUT_BYTES``.
     """
     if not paths:
         folder = default_book_dir()
@@ -66,9 +69,7 @@ def load_texts(paths: list[str | Path] | None = None, limit: int | None = None) 
     out = {}
     for p in paths[: limit or None]:
         p = Path(p)
-        if not p.is_file():
-            raise FileNotFoundError(f"text file {p} is a folder" if p.is_dir() else f"text file {p} does not exist")
-        out[p.stem] = strip_gutenberg(p.read_text(encoding="utf-8", errors="replace"))
+        out[p.stem] = strip_gutenberg(read_input(p, "text file").decode("utf-8", errors="replace"))
     return out
 
 

@@ -9,14 +9,24 @@ use transformers' own layer classes. The cache needs kvtier's attention function
 the tiers directly; ``kvtier.enable(model)`` switches a model to it.
 
 Every call is checked before anything changes: the model must run kvtier's attention for this
-call (its config says so, and a kvtier mask was built in the calling thread since the cache's
-last call began: transformers builds the mask once per forward), and the states must fit the
-cache (layer count, KV heads, head dim, batch, device, dtype). A forward call is all-or-nothing:
-each tiered layer keeps a journal of the call's changes (see :mod:`kvtier.cache.state`), and a
-failure anywhere in kvtier (an exception, Ctrl-C, a full disk, a byte cap) undoes every layer's
-changes before it reaches the caller. A call interrupted outside kvtier (between two layers) is
-undone when the cache is next used, with an error asking to call again. If undoing itself fails,
-the cache refuses every later use, naming the first fault.
+call (its config says so, and a kvtier mask was built in the calling thread since the call began:
+transformers builds the mask once per forward), the model's layers must be the cache's (count and
+kinds, checked when ``kvtier.enable``'s wrapper opens the call), and the states must fit the cache
+(KV heads, head dim, batch, device, dtype).
+
+A forward call is all-or-nothing, for every layer of the cache whatever its kind: each tiered
+layer keeps a journal of the call's changes (see :mod:`kvtier.cache.state`), and every other layer
+(transformers' sliding-window layers of hybrid models) is saved as it was when the call first
+reached it (its state is bounded by its window). Under ``kvtier.enable`` the call opens when the
+model's forward is entered and is kept when it returns (:meth:`TieredCache.model_call`): an
+exception anywhere in the forward (in kvtier, in any layer, in the final norm or ``lm_head``, Ctrl-C)
+puts every layer back before it reaches the caller, so calling again is always safe. A model run
+without that wrapper (kvtier attention selected by hand) opens the call at its first layer and keeps
+it once every layer has run; a call interrupted there between two layers is undone when the cache is
+next used, with an error asking to call again. What happens after the forward returned (a logits
+processor or stopping criterion of ``generate``) is not part of the call: ``get_seq_length()`` then
+says how many tokens the cache holds. If undoing itself fails, the cache refuses every later use,
+naming the first fault.
 
 Threads: a cache serves one forward call at a time. While a call is open in one thread, a call
 from another thread (and ``reorder_cache``, ``batch_select_indices``, ``reset``, ``close``, a copy
@@ -57,7 +67,13 @@ from typing import Any
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    Cache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
 
 from ..cache.adaptive import Budget
 from ..cache.state import ATTENTION_NAME, Journal, forward_epoch
@@ -72,15 +88,45 @@ from .layer import TieredLayer
 ON_FULL = ("error", "evict", "degrade")
 
 
-class _Call:
-    """One forward call in progress: its mask id, its thread and the journals of the layers it reached."""
+#: Version of the pickled state's layout; a pickle of another version is refused (see ``__setstate__``).
+STATE_VERSION = 2
 
-    def __init__(self, epoch: int):
-        self.epoch = epoch
+#: transformers' layer classes known to replace their tensors on every change (``torch.cat``,
+#: slicing, ``index_select``), never to write them in place: a saved state may share their tensors.
+#: Any other kind of layer is saved with its tensors cloned.
+_REPLACING_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+
+
+class _Saved:
+    """A transformers layer (not tiered) as it was when a call first reached it; ``restore`` puts it back."""
+
+    def __init__(self, layer: Any):
+        share = type(layer) in _REPLACING_LAYERS
+        self.state = {
+            k: v.clone() if isinstance(v, torch.Tensor) and not share else v for k, v in layer.__dict__.items()
+        }
+
+    def restore(self, layer: Any) -> None:
+        layer.__dict__.clear()
+        layer.__dict__.update(self.state)
+
+
+class _Call:
+    """One forward call in progress: its thread, the mask id it runs under, and the journals of the
+    layers it reached (tiered layers' :class:`Journal`, other layers' :class:`_Saved` state)."""
+
+    def __init__(self, since: int, wrapped: bool):
+        self.since = since  # the thread's mask id when the call opened: the call's mask is newer
+        self.epoch: int | None = None  # the call's mask id, once its first layer checked it
+        self.wrapped = wrapped  # opened by kvtier.enable's wrapper: kept when the model's forward returns
         self.thread = threading.current_thread()
         self.journals: dict[int, tuple[TieredLayer, Journal]] = {}
+        self.saved: dict[int, tuple[Any, _Saved]] = {}
         self.done = 0
         self.budgets: list[tuple[Budget, object]] = []  # each budget's state before the call (its snapshot)
+
+    def reached(self, idx: int) -> bool:
+        return idx in self.journals or idx in self.saved
 
 
 class TieredCache(Cache):
@@ -136,6 +182,13 @@ class TieredCache(Cache):
                     f"bits={bits!r} is not allowed with policy {self.policy.name!r}: it sets the budget of an adaptive "
                     "policy (policy='adaptive' or a TierPolicy with adaptive=AdaptivePolicy(...))"
                 )
+            named = self.policy.name.partition(":")[0].partition("@")[2]  # "adaptive@2.5..." names its budget
+            if named and float(bits) != self.policy.adaptive.bits:
+                raise ValueError(
+                    f"bits={bits!r} is not allowed with policy {self.policy.name!r}, which names a budget of "
+                    f"{self.policy.adaptive.bits:g} bits: give the budget once (policy='adaptive@{bits:g}', or "
+                    "policy='adaptive' with bits=...)"
+                )
             self.policy = self.policy.replace(adaptive=dataclasses.replace(self.policy.adaptive, bits=bits))
         text = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
@@ -175,7 +228,10 @@ class TieredCache(Cache):
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
         super().__init__(layers=layers)
+        self.layer_types = tuple(layer_types)  # what the model's layers must be (checked per call)
         self.num_tiered = sum(isinstance(layer, TieredLayer) for layer in layers)
+        self._state_version = STATE_VERSION
+        self._last_thread = threading.current_thread().name  # the thread of the last kept call
         self._epoch = forward_epoch()  # mask id of the last call (or this thread's at construction)
         self._call: _Call | None = None
         self._lock = threading.RLock()  # held to check and change ``_call`` (see the module doc)
@@ -191,9 +247,10 @@ class TieredCache(Cache):
         with self._lock:
             self._claim(what)
             self._check_fault()
-            if self._call is not None:
-                self._rollback(self._call)
-                raise self._interrupted()
+            call = self._call
+            if call is not None:
+                self._rollback(call)
+                raise self._interrupted(call)
 
     def _claim(self, what: str) -> None:
         """Raise, changing nothing, if a forward call of another live thread is open (the caller
@@ -203,9 +260,13 @@ class TieredCache(Cache):
             return
         if not call.thread.is_alive():
             self._rollback(call)
-            raise self._interrupted()
-        raise KVTierError(
-            f"this TieredCache is in use by a forward call in thread {call.thread.name!r} (concurrent use): "
+            raise self._interrupted(call)
+        raise self._concurrent(call.thread.name, what)
+
+    @staticmethod
+    def _concurrent(other: str, what: str) -> KVTierError:
+        return KVTierError(
+            f"this TieredCache is in use by a forward call in thread {other!r} (concurrent use): "
             f"{what} from thread {threading.current_thread().name!r} is refused; a cache serves one call at a "
             "time: give each thread its own TieredCache, or wait for the call to end"
         )
@@ -221,22 +282,43 @@ class TieredCache(Cache):
         if self._fault is not None:
             raise KVTierError(f"this TieredCache is unusable after an earlier fault ({self._fault}); build a new one")
 
-    @staticmethod
-    def _interrupted() -> KVTierError:
+    def _interrupted(self, call: _Call | None) -> KVTierError:
+        reached = 0 if call is None else len(call.journals) + len(call.saved)
+        fewer = ""
+        if 0 < reached < len(self.layers):
+            fewer = (
+                f"; it reached {reached} of the cache's {len(self.layers)} layers: if the model has {reached} "
+                "layers, the cache was built for another model (build it from this model's config)"
+            )
         return KVTierError(
             "the previous forward call stopped between two layers (interrupted outside kvtier); the cache was "
-            "put back as it was before that call: call again"
+            f"put back as it was before that call: call again{fewer}"
         )
 
-    def check_attention(self) -> None:
-        """Raise unless the model's config (if the cache was built from it) selects kvtier attention
-        (not checked on an unpickled cache, whose config is a copy: the mask check remains)."""
+    def _model_attention(self, epoch: int, since: int) -> None:
+        """Raise unless this call runs kvtier attention: a kvtier mask built in this thread since
+        ``since`` (``epoch`` is the thread's latest mask id) and, for a cache built from a live config,
+        that config selecting kvtier attention (not checked on an unpickled cache, whose config is a copy)."""
         impl = attn_implementation(self.config) if self._config_is_live else None
         if impl is not None and impl != ATTENTION_NAME:
+            if epoch > since:  # the model ran kvtier's mask: the cache's config is not this model's
+                raise KVTierError(
+                    f"this TieredCache was built from another model's config (its attention is {impl!r}), not "
+                    "from the config of the model that runs it: build the cache from this model's config "
+                    "(kvtier.TieredCache(model.config, ...))"
+                )
             raise KVTierError(
                 f"TieredCache reads its compressed tiers in kvtier's attention, but the model uses {impl!r}: "
                 "run the model inside `with kvtier.enable(model):` (or call kvtier.enable(model))"
             )
+        if epoch <= since:
+            if epoch > 0 and self._last_thread != threading.current_thread().name:
+                raise KVTierError(
+                    f"this TieredCache was used by a forward call of thread {self._last_thread!r} while this "
+                    f"call of thread {threading.current_thread().name!r} was starting (concurrent use): this "
+                    "call is refused; a cache serves one call at a time: give each thread its own TieredCache"
+                )
+            raise self._misuse()
 
     def _misuse(self) -> KVTierError:
         return KVTierError(
@@ -245,54 +327,140 @@ class TieredCache(Cache):
             "kvtier.enable(model)) and build the cache from model.config"
         )
 
+    def check_model(self, model: PreTrainedModel) -> None:
+        """Raise, changing nothing, unless ``model``'s layers are the ones this cache was built for
+        (count and kinds: full attention, sliding window, ...)."""
+        text = model.config.get_text_config(decoder=True)
+        try:
+            types = tuple(get_layer_types_and_kwargs(text)[0])
+        except Exception:  # noqa: BLE001 - a config transformers cannot read: the layer checks remain
+            return
+        if len(types) != len(self.layer_types):
+            raise KVTierError(
+                f"this TieredCache was built for {len(self.layer_types)} layers; the model has {len(types)}: "
+                "build the cache from this model's config (kvtier.TieredCache(model.config, ...))"
+            )
+        if types != self.layer_types:
+            i = next(i for i, (a, b) in enumerate(zip(types, self.layer_types)) if a != b)
+            raise KVTierError(
+                f"this TieredCache was built for other layer kinds than the model's (layer {i}: "
+                f"{self.layer_types[i]!r} in the cache, {types[i]!r} in the model): build the cache from this "
+                "model's config"
+            )
+
+    @contextmanager
+    def model_call(self, model: PreTrainedModel) -> Iterator[None]:
+        """One forward call of ``model`` with this cache, all or nothing (``kvtier.enable`` wraps the
+        model's forward in it): the call opens here, is kept when the body returns, and is undone,
+        every layer of it, if the body raises anything (Ctrl-C included). A call already open in this
+        thread under this wrapper (the base model inside its ``*ForCausalLM``) is joined."""
+        with self._lock:
+            self._claim("this call")
+            self._check_fault()
+            call = self._call
+            if call is not None and call.wrapped:  # a nested model's forward: the outer one owns the call
+                nested = True
+            else:
+                nested = False
+                if call is not None:  # left open by a call without the wrapper
+                    self._rollback(call)
+                    raise self._interrupted(call)
+                self.check_model(model)
+                call = self._call = self._open(wrapped=True)
+        if nested:
+            yield
+            return
+        try:
+            yield
+        except BaseException as err:
+            self.abort(err)
+            raise
+        with self._lock:
+            if self._call is call:
+                self._finish(call)
+
+    def _open(self, wrapped: bool) -> _Call:
+        call = _Call(forward_epoch() if wrapped else self._epoch, wrapped)
+        call.budgets = [(b, b.snapshot()) for b in self.budgets.values()]
+        return call
+
+    def _join(self, idx: int) -> _Call:
+        """The call ``layer idx`` joins (the caller holds ``_lock``): checks, and a call opened here
+        when none is (a model run without ``kvtier.enable``'s wrapper)."""
+        self._claim("this call")
+        self._check_fault()
+        epoch, call = forward_epoch(), self._call
+        if call is not None and call.reached(idx):
+            self._rollback(call)
+            if call.wrapped:
+                raise KVTierError(
+                    f"layer {idx} ran twice in one forward call: a TieredCache holds one call's tokens once per "
+                    "layer; the call was undone"
+                )
+            if epoch == call.epoch:
+                raise self._misuse()
+            raise self._interrupted(call)
+        if call is None:
+            call = self._call = self._open(wrapped=False)
+        if call.epoch is None:  # the call's first layer: the mask this call built
+            try:
+                self._model_attention(epoch, call.since)
+            except BaseException:
+                self._call = None  # nothing changed yet
+                raise
+            call.epoch = epoch
+        return call
+
     def begin_update(self, layer: TieredLayer) -> None:
         """Called by ``layer.update`` before it changes anything: check the call, start the layer's journal.
 
-        A call's first layer starts a new :class:`_Call`, which needs a kvtier mask built in this
-        thread since the last call began (a larger mask id; else the model is not running kvtier
-        attention); the other layers join it. A layer already in the open call means a new forward
-        began before the previous one finished. A call of another thread is refused first.
+        The call was opened by :meth:`model_call` or, without it, by the model's first layer; a
+        layer already in the open call means a new forward began before the previous one finished.
+        A call of another thread is refused first.
         """
         with self._lock:  # check and start the call in one step: a second thread sees it open
-            self._claim("this call")
-            self._check_fault()
-            self.check_attention()
-            idx, epoch, call = layer.layer_idx, forward_epoch(), self._call
-            if call is not None and idx in call.journals:
-                self._rollback(call)
-                if epoch == call.epoch:
-                    raise self._misuse()
-                raise self._interrupted()
-            if call is None:
-                if epoch <= self._epoch:
-                    raise self._misuse()
-                call = self._call = _Call(epoch)
-                call.budgets = [(b, b.snapshot()) for b in self.budgets.values()]
+            call = self._join(layer.layer_idx)
             layer.journal = Journal(layer)
-            call.journals[idx] = (layer, layer.journal)
+            call.journals[layer.layer_idx] = (layer, layer.journal)
 
     def layer_done(self, layer: TieredLayer) -> None:
-        """Called at the end of ``layer.settle``: enforce the byte cap; keep the call once every
-        tiered layer is done."""
+        """Called at the end of ``layer.settle``: enforce the byte cap; apply what the call's
+        budgets decided once every tiered layer is done; keep a call without the wrapper once
+        every layer has run."""
         with self._lock:
-            self._layer_done(layer)
+            call = self._call
+            if call is None or call.thread is not threading.current_thread() or layer.layer_idx not in call.journals:
+                return
+            if self.max_bytes is not None:
+                self._enforce_cap(layer)
+                self._bytes[layer.layer_idx] = layer.nbytes()
+            call.done += 1
+            if call.done == len(call.journals) == self.num_tiered:
+                for lay, _ in call.journals.values():  # layers that settled before the call ended a
+                    # budget's warm-up apply it now (kvtier.cache.state), in the call
+                    if lay.rebalance() and self.max_bytes is not None:
+                        self._bytes[lay.layer_idx] = lay.nbytes()
+            self._keep_if_complete(call)
 
-    def _layer_done(self, layer: TieredLayer) -> None:
-        call = self._call
-        if call is None or call.thread is not threading.current_thread() or layer.layer_idx not in call.journals:
-            return
-        if self.max_bytes is not None:
-            self._enforce_cap(layer)
-            self._bytes[layer.layer_idx] = layer.nbytes()
-        call.done += 1
-        if call.done == len(call.journals) == self.num_tiered:
-            for lay, _ in call.journals.values():  # layers that settled before the call ended a
-                # budget's warm-up apply it now (kvtier.cache.state), in the call
-                if lay.rebalance() and self.max_bytes is not None:
-                    self._bytes[lay.layer_idx] = lay.nbytes()
-            for lay, journal in call.journals.values():
-                journal.commit(lay)
-            self._epoch, self._call = call.epoch, None
+    def _keep_if_complete(self, call: _Call) -> None:
+        """Without the wrapper, a call is kept once every layer ran (and every tiered layer settled)."""
+        if not call.wrapped and len(call.saved) + call.done == len(self.layers) == len(call.saved) + len(call.journals):
+            self._finish(call)
+
+    def _finish(self, call: _Call) -> None:
+        """Keep ``call`` (the caller holds ``_lock``): every layer it reached must have finished."""
+        if call.done != len(call.journals):  # a tiered layer updated but never attended (not kvtier attention)
+            self._rollback(call)
+            raise KVTierError(
+                "a tiered layer stored this call's tokens but kvtier's attention never read them (the model did "
+                "not run kvtier attention in every layer); the call was undone: run the model inside "
+                "`with kvtier.enable(model):`"
+            )
+        for lay, journal in call.journals.values():
+            journal.commit(lay)
+        if call.epoch is not None:
+            self._epoch = call.epoch
+        self._call, self._last_thread = None, call.thread.name
 
     def abort(self, err: BaseException) -> None:
         """A step of the current call failed with ``err``: undo every layer's changes."""
@@ -302,11 +470,15 @@ class TieredCache(Cache):
                 self._rollback(call, err)
 
     def _rollback(self, call: _Call, err: BaseException | None = None) -> None:
-        self._call, self._epoch = None, call.epoch
+        self._call = None
+        if call.epoch is not None:
+            self._epoch = call.epoch
         try:
             for layer, journal in reversed(list(call.journals.values())):
                 journal.rollback(layer)
                 self._bytes.pop(layer.layer_idx, None)
+            for layer, saved in call.saved.values():
+                saved.restore(layer)
             for budget, snap in call.budgets:  # the warm-up's measurements and allocation, as before the call
                 budget.restore(snap)
         except BaseException as undo_err:
@@ -373,10 +545,21 @@ class TieredCache(Cache):
                 f"layer_idx={layer_idx!r} is not in this cache: it was built for {len(self.layers)} layers; "
                 "build the cache from the config of the model that runs it"
             )
-        if not isinstance(self.layers[layer_idx], TieredLayer):  # tiered layers check in begin_update
-            with self._lock:
-                self._claim("this call")
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        if isinstance(layer, TieredLayer):  # tiered layers join the call in begin_update
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        with self._lock:  # transformers' own layer (a sliding window): saved as it is, then updated
+            call = self._join(layer_idx)
+            call.saved[layer_idx] = (layer, _Saved(layer))
+        try:
+            out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except BaseException as err:
+            self.abort(err)
+            raise
+        with self._lock:
+            if self._call is call:
+                self._keep_if_complete(call)
+        return out
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         with self._between_calls("reorder_cache"):
@@ -476,7 +659,14 @@ class TieredCache(Cache):
         state["_config_is_live"] = False
         return state
 
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        """Pickled as ``_load_cache(STATE_VERSION)`` and the state: the version is checked before any
+        of the state (whose classes may have moved in another version) is read."""
+        return _load_cache, (STATE_VERSION,), self.__getstate__()
+
     def __setstate__(self, state: dict) -> None:
+        if state.get("_state_version") != STATE_VERSION:  # a pickle written before versions were kept
+            raise _incompatible(state.get("_state_version"))
         self.__dict__.update(state)
         self._lock = threading.RLock()
         self._epoch = forward_epoch()  # mask ids are this process's: the next call needs a new mask
@@ -501,3 +691,18 @@ class TieredCache(Cache):
     def memory_report(self) -> MemoryReport:
         """Bytes held per tier and layer; see :class:`kvtier.diagnostics.MemoryReport`."""
         return memory_report(self)
+
+
+def _incompatible(version: object) -> KVTierError:
+    return KVTierError(
+        f"this pickled TieredCache was written by an incompatible kvtier version (state format {version}; this "
+        f"kvtier reads format {STATE_VERSION}): build a new TieredCache and run its prompt again"
+    )
+
+
+def _load_cache(version: object) -> TieredCache:
+    """Unpickling's first step (see ``TieredCache.__reduce_ex__``): refuse another state format
+    before its classes are looked up. Part of the pickle format: never moved or renamed."""
+    if version != STATE_VERSION:
+        raise _incompatible(version)
+    return TieredCache.__new__(TieredCache)

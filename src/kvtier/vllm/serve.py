@@ -4,7 +4,8 @@
 vLLM flags to pass on) into a :class:`ServePlan`: the server's argv, the environment it needs on
 this platform and the C++ kernels to build before it starts. Decided once, here, and checked
 before the server's minutes-long start: a conflict (a flag kvtier sets given again, store flags
-without a store) is one line, not an engine that dies after loading. Pages and store together:
+without a store), an empty model or a ``--remote-key`` that names no 32-byte key is one line, not
+an engine that dies after loading. Pages and store together:
 the store keeps each block as its packed pages. :func:`run` builds the kernels
 with a progress line, says what it starts, and replaces this process by the server (signals and
 exit status are the server's own).
@@ -90,10 +91,19 @@ def plan_serve(
     """The server for ``model`` with packed pages of policy ``pages`` or the prefix store of policy
     ``store`` (``cpu_bytes``, ``disk``, ``disk_bytes``, ``remote``, ``remote_ttl``, ``remote_key``,
     ``transfer_bytes`` as :func:`kvtier.vllm.kv_transfer_config`); neither: packed pages, ``default``. ``vllm_args`` go
-    to the server after kvtier's own flags."""
+    to the server after kvtier's own flags.
+
+    Raises
+    ------
+    ValueError : an empty ``model``, a conflict, a bad policy or store value. KVTierError : ``remote_key``
+        names an unset variable, an unreadable file or no 32-byte key (read as the server will read it).
+    """
     from . import get_page_policy, serve_args
+    from .store.remote import load_key
 
     environ = os.environ if environ is None else environ
+    if not model.strip():
+        raise ValueError("MODEL is empty: expected a built-in name (smollm2-135m, ...) or a model folder")
     store_flags = (cpu_bytes, disk, disk_bytes, remote, remote_ttl, remote_key, transfer_bytes)
     if store is None and any(v is not None for v in store_flags):
         raise ValueError(
@@ -102,6 +112,8 @@ def plan_serve(
         )
     if remote is None and (remote_ttl is not None or remote_key is not None):
         raise ValueError("--remote-ttl and --remote-key configure the Redis tier: add --remote URL")
+    if remote is not None and remote_key is not None:
+        load_key(remote_key)  # what the server reads at its start: set, readable, 32 bytes - or one line now
     shared = {"remote": remote, "remote_ttl": remote_ttl, "remote_key": remote_key} if remote else {}
     if pages is None and store is None:
         pages = "default"

@@ -37,10 +37,10 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from ...errors import KVTierError
+from ...inputs import read_input
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +130,10 @@ def load_key(source: str) -> bytes:
         if text is None:
             raise KVTierError(f"remote_key={source!r}: the environment variable {where} is not set")
     else:
-        try:
-            text = Path(where).read_bytes().decode("ascii", "replace")
-        except OSError as err:
-            raise KVTierError(f"remote_key={source!r}: the key file cannot be read ({err.strerror})") from None
+        try:  # a regular file of a few bytes: a FIFO or /dev/zero is refused, not read
+            text = read_input(where, "key file", limit=4096).decode("ascii", "replace")
+        except (OSError, ValueError) as err:
+            raise KVTierError(f"remote_key={source!r}: the key file cannot be read ({err})") from None
     text = text.strip()
     for decode in (bytes.fromhex, lambda t: base64.b64decode(t, validate=True)):
         try:
