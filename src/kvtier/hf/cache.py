@@ -329,7 +329,9 @@ class TieredCache(Cache):
 
     def check_model(self, model: PreTrainedModel) -> None:
         """Raise, changing nothing, unless ``model``'s layers are the ones this cache was built for
-        (count and kinds: full attention, sliding window, ...)."""
+        (count and kinds: full attention, sliding window, ...); a config that passed is not read again."""
+        if model.config is getattr(self, "_model_config", None):
+            return
         text = model.config.get_text_config(decoder=True)
         try:
             types = tuple(get_layer_types_and_kwargs(text)[0])
@@ -347,6 +349,7 @@ class TieredCache(Cache):
                 f"{self.layer_types[i]!r} in the cache, {types[i]!r} in the model): build the cache from this "
                 "model's config"
             )
+        self._model_config = model.config
 
     @contextmanager
     def model_call(self, model: PreTrainedModel) -> Iterator[None]:
