@@ -331,20 +331,6 @@ CASES = [
         "lives on cpu",
         "meta",
     ),
-    raises(
-        "value group vs head dim",
-        layer_calls(((1, 2, 3, 48), F32, CPU), policy="kivi2"),
-        ValueError,
-        "value_group_size=32",
-        "head_dim=48",
-    ),
-    raises(
-        "cache value group vs head dim",  # refused where the cache is built, before any call
-        cache_call(policy=__import__("kvtier").TierPolicy(value_group_size=12, layer_overrides={})),
-        ValueError,
-        "value_group_size=12",
-        "head_dim=16",
-    ),
     raises("cache max_bytes 0", cache_call(max_bytes=0), ValueError, "max_bytes=0"),
     raises("cache max_bytes float", cache_call(max_bytes=1.5e9), ValueError, "max_bytes=1500000000.0"),
     raises("cache on_full", cache_call(max_bytes=1 << 20, on_full="drop"), ValueError, "on_full='drop'"),

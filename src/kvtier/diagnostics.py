@@ -28,6 +28,7 @@ __all__ = [
     "memory_report",
     "reachable_tensor_bytes",
     "tensor_bytes",
+    "untiered_tensors",
 ]
 
 #: Byte groups of a report: resident tiers, ``staging`` (prefetched blocks held for a layer's
@@ -159,6 +160,25 @@ class MemoryReport:
         return "\n".join(lines)
 
 
+def untiered_tensors(layer: Any) -> list[torch.Tensor]:
+    """Every tensor a layer that is not tiered (a transformers cache layer: the sliding-window
+    layers of hybrid models) holds in its attributes, directly or in lists, tuples and dicts:
+    ``keys`` and ``values`` and whatever else it keeps (``DynamicSlidingWindowLayer`` keeps its
+    window in an 8-byte ``_sliding_window_tensor``). What :func:`memory_report` counts as a
+    layer's ``other`` bytes, and what a byte cap must count for it."""
+    found: list[torch.Tensor] = []
+    stack = list(getattr(layer, "__dict__", {}).values())
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+    return found
+
+
 def _layer_dense_fp16(layer: Any) -> int:
     if isinstance(layer, LayerState):
         if not layer.is_initialized:
@@ -183,13 +203,7 @@ def memory_report(cache: Any) -> MemoryReport:
             seq = max(seq, layer.seen)
             stored = layer.offloaded_bytes()
         else:
-            groups = {
-                "other": [
-                    t
-                    for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-                    if isinstance(t, torch.Tensor)
-                ]
-            }
+            groups = {"other": untiered_tensors(layer)}
             counts = {}
         nbytes = {tier: tensor_bytes(ts) for tier, ts in groups.items()}
         if stored:

@@ -21,12 +21,15 @@ chosen per layer from measured errors, and the warm window grows and shrinks wit
 
 ``layer_overrides`` maps layer indices (negative ones count from the end) to another policy, a
 preset name or a preset variant's name (:func:`get_policy`), e.g. ``{0: "exact", -1: "exact"}`` or
-``{5: "default:vq3/3"}``. Layers under one adaptive policy share one byte budget.
+``{5: "default:vq3/3"}``; against a model's layer count every key must name one of its layers and
+no two keys the same one (:meth:`TierPolicy.check_layers`). Layers under one adaptive policy share
+one byte budget.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -54,11 +57,20 @@ MAX_BLOCK_TOKENS = 4096
 MAX_GROUP = 1024  # channels per value group (a head_dim is far smaller)
 MAX_WINDOW = 1 << 24  # local windows and query-chunk limits, in tokens
 MAX_BLOCKS = 1 << 20  # block counts: min/max blocks, prefetch margin
+MAX_NUMBER_CHARS = 12  # characters of one number in a variant's name (ASCII digits, one point)
+MAX_SHOWN_CHARS = 100  # a longer string is shown cut in an error message
+
+
+def _shown(value: object) -> str:
+    """``repr(value)`` for an error message; a string past ``MAX_SHOWN_CHARS`` is cut (and says so)."""
+    if isinstance(value, str) and len(value) > MAX_SHOWN_CHARS:
+        return f"{value[:MAX_SHOWN_CHARS]!r}... ({len(value)} characters)"
+    return repr(value)
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"{name}={value!r} is not allowed: expected {allowed}")
+        raise ValueError(f"{name}={_shown(value)} is not allowed: expected {allowed}")
 
 
 def _is_int(value: object) -> bool:
@@ -412,7 +424,9 @@ class TierPolicy:
         or the ``cold_bits`` k-bit one (default: on; on SmolLM2 it cuts the perplexity cost of the
         seed's 1-bit cold tier from +8.5% to +3.9%).
     block_tokens : migration block; also the token group of per-channel key statistics (1 to 4096).
-    value_group_size : channels per group of per-token value statistics (divides head_dim; 1 to 1024).
+    value_group_size : channels per group of per-token value statistics, at most (1 to 1024): a layer
+        uses the largest divisor of its head dim not above it (:func:`kvtier.codecs.value_group`;
+        64 gives 40 channels at head_dim 80, 48 at 96, 56 at 112), so no head dim is refused.
     exact_dtype : storage of sinks and hot tokens: ``"model"`` (the model's dtype),
         ``"half"`` (fp16 when the model runs in fp32, else the model's dtype) or a dtype name.
         A storage narrower than the model's dtype (fp16 for an fp32 model: up to 65,504) never
@@ -586,11 +600,37 @@ class TierPolicy:
         """A copy with fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
+    def check_layers(self, num_layers: int) -> None:
+        """Refuse ``layer_overrides`` that do not fit a model of ``num_layers`` layers.
+
+        Raises
+        ------
+        ValueError : a key outside ``[-num_layers, num_layers)``, or two keys naming one layer
+            (``3`` and ``-1`` of 4 layers) with different policies, which would leave one of them
+            silently unused (the same policy twice, ``{0: "exact", -1: "exact"}`` of 1 layer, is fine).
+        """
+        named: dict[int, int] = {}
+        for key, sub in self.layer_overrides.items():
+            if not -num_layers <= key < num_layers:
+                raise ValueError(f"layer_overrides key {key} is not allowed: the model has {num_layers} layers")
+            first = named.setdefault(key % num_layers, key)
+            if self.layer_overrides[first] != sub:
+                raise ValueError(
+                    f"layer_overrides keys {first} and {key} are not allowed together: both name layer "
+                    f"{key % num_layers} of {num_layers} with different policies; give one"
+                )
+
     def for_layer(self, index: int, num_layers: int) -> TierPolicy:
-        """The policy that layer ``index`` of ``num_layers`` uses, overrides resolved."""
+        """The policy that layer ``index`` of ``num_layers`` uses, overrides resolved.
+
+        Raises
+        ------
+        ValueError : overrides that do not fit ``num_layers`` layers (:meth:`check_layers`).
+        """
+        self.check_layers(num_layers)
         chosen: TierPolicy | str = self
         for key, sub in self.layer_overrides.items():
-            if key % num_layers == index and -num_layers <= key < num_layers:
+            if key % num_layers == index:
                 chosen = sub
         if isinstance(chosen, str):
             chosen = get_policy(chosen)
@@ -809,6 +849,7 @@ def get_policy(policy: str | TierPolicy) -> TierPolicy:
       (``sinks``: the policy's ``sink_tokens``), e.g. ``adaptive@2.5:codes=vq``;
     * ``<preset>:vq<k>[/<v>]`` - the preset with its cold tier in vector codes of ``k``-bit keys and
       ``v``-bit values (sparse decode attention off: vq tiers are read whole), e.g. ``default:vq3/3``;
+      only presets with a fixed-width quantized cold tier (``default``, ``max-compression``) take it;
     * ``<preset>:dense`` - the preset with sparse decode attention off.
 
     Raises
@@ -824,9 +865,31 @@ def get_policy(policy: str | TierPolicy) -> TierPolicy:
         if variant is not None:
             return variant
     raise ValueError(
-        f"policy={policy!r} is not allowed: expected one of {sorted(PRESETS)}, a variant "
+        f"policy={_shown(policy)} is not allowed: expected one of {sorted(PRESETS)}, a variant "
         f"({' | '.join(VARIANT_FORMS)}) or a TierPolicy"
     )
+
+
+def _number(text: str, kind: type[int] | type[float]) -> int | float:
+    """A number of a variant's name: ASCII digits (and one point for a float), at most
+    ``MAX_NUMBER_CHARS`` of them. ``int()`` and ``float()`` alone would take other scripts' digits
+    (``"³"``), signs, spaces, underscores, ``"inf"`` and thousands of digits.
+
+    Raises
+    ------
+    ValueError : anything else (the caller words the message).
+    """
+    form = r"[0-9]+" if kind is int else r"[0-9]+\.?[0-9]*|\.[0-9]+"
+    if len(text) > MAX_NUMBER_CHARS or re.fullmatch(form, text) is None:
+        raise ValueError(text)
+    return kind(text)
+
+
+def _takes_vq(policy: TierPolicy) -> bool:
+    """Whether a ``<preset>:vq...`` variant applies: a fixed-width quantized cold tier (signs or
+    k-bit codes) that tokens reach."""
+    quantized = policy.cold in ("sign", "quant") and policy.adaptive is None
+    return quantized and policy.hot_tokens is not None and policy.warm_tokens is not None
 
 
 def preset_variant(name: str) -> TierPolicy | None:
@@ -835,7 +898,8 @@ def preset_variant(name: str) -> TierPolicy | None:
 
     Raises
     ------
-    ValueError : a variant's form whose fields do not parse or do not validate.
+    ValueError : a variant's form whose fields do not parse or do not validate, or a vq variant of a
+        preset without a quantized cold tier.
     """
     if name.startswith("adaptive@"):
         bits_s, sep, opts = name.removeprefix("adaptive@").partition(":")
@@ -843,25 +907,24 @@ def preset_variant(name: str) -> TierPolicy | None:
         keys = [key for key, _, _ in items]
         twice = sorted({key for key in keys if key and keys.count(key) > 1})
         if twice:
-            raise ValueError(f"{name!r} is not allowed: {twice[0]!r} is given twice; name each option once")
+            raise ValueError(f"{_shown(name)} is not allowed: {_shown(twice[0])} is given twice; name each option once")
         fields: dict[str, object] = {}
         policy_fields: dict[str, object] = {}
         try:
-            if bits_s != bits_s.strip():
-                raise ValueError(bits_s)
-            bits = float(bits_s)
+            bits = _number(bits_s, float)
             for key, _, value in items:
                 if key == "sinks":  # the policy's exact sink tokens (the rest are AdaptivePolicy fields)
-                    policy_fields["sink_tokens"] = int(value)
+                    policy_fields["sink_tokens"] = _number(value, int)
                 elif key in ("keep", "fit_tokens", "warmup_tokens"):
-                    fields[key] = float(value) if key == "keep" else int(value)
+                    fields[key] = _number(value, float if key == "keep" else int)
                 elif key == "codes":
                     fields[key] = value
                 else:
                     raise ValueError(key)
         except ValueError:
             raise ValueError(
-                f"{name!r} is not allowed: expected {VARIANT_FORMS[0]}, e.g. adaptive@2.5 or adaptive@2.5:keep=0.5"
+                f"{_shown(name)} is not allowed: expected {VARIANT_FORMS[0]} (numbers in ASCII digits), "
+                "e.g. adaptive@2.5 or adaptive@2.5:keep=0.5"
             ) from None
         p = PRESETS["adaptive"][1]()
         assert p.adaptive is not None
@@ -874,13 +937,23 @@ def preset_variant(name: str) -> TierPolicy | None:
         return PRESETS[base][1]().replace(sparse=None, name=name)
     if path.startswith("vq") and base == "adaptive":  # the budget chooses the widths
         raise ValueError(
-            f"{name!r} is not allowed: the adaptive budget chooses its cold widths; name the family instead, "
+            f"{_shown(name)} is not allowed: the adaptive budget chooses its cold widths; name the family instead, "
             "e.g. adaptive@2.5:codes=vq"
         )
     if path.startswith("vq"):  # its cold tier in vector codes
+        p = PRESETS[base][1]()
+        if not _takes_vq(p):
+            takes = [n for n, (_, make) in PRESETS.items() if _takes_vq(make())]
+            raise ValueError(
+                f"{_shown(name)} is not allowed: preset {base!r} has no quantized cold tier to code in vq; "
+                f"vq variants take {' or '.join(takes)}, e.g. default:vq3/2"
+            )
         kb, slash, vb = path.removeprefix("vq").partition("/")
-        if not (kb.isdigit() and (vb.isdigit() if slash else not vb)):
-            raise ValueError(f"{name!r} is not allowed: expected {VARIANT_FORMS[1]}, e.g. default:vq3/2")
-        vq = {"cold_codes": "vq", "cold_bits": int(kb), "cold_value_bits": int(vb) if vb else None}
-        return PRESETS[base][1]().replace(sparse=None, name=name, **vq)
+        try:
+            vq = {"cold_bits": _number(kb, int), "cold_value_bits": _number(vb, int) if slash else None}
+        except ValueError:
+            raise ValueError(
+                f"{_shown(name)} is not allowed: expected {VARIANT_FORMS[1]} (bits in ASCII digits), e.g. default:vq3/2"
+            ) from None
+        return p.replace(cold="quant", cold_codes="vq", sparse=None, name=name, **vq)
     return None

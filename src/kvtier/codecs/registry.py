@@ -32,14 +32,13 @@ def storage_dtype(policy: TierPolicy, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def value_group(policy: TierPolicy, head_dim: int) -> int:
-    """Channels per value group: ``policy.value_group_size`` capped at ``head_dim`` (a divisor of it)."""
-    g = min(policy.value_group_size, head_dim)
-    if head_dim % g:
-        raise ValueError(
-            f"value_group_size={policy.value_group_size} is not allowed for head_dim={head_dim}: "
-            "expected a divisor of head_dim"
-        )
-    return g
+    """Channels per value group of a layer: the largest divisor of ``head_dim`` that is at most
+    ``policy.value_group_size`` (64 gives 40 at head_dim 80, 48 at 96, 56 at 112, 64 at 128).
+
+    The one place a layer's value group is computed: codecs, kernel operands, the planner and the
+    byte counts all read it from here, so any head dim works with any group size."""
+    cap = min(policy.value_group_size, head_dim)
+    return next(g for g in range(cap, 0, -1) if head_dim % g == 0)
 
 
 def _group_codec(bits: int | str, group: int, rotate: bool = False) -> Codec:

@@ -77,8 +77,7 @@ from transformers.cache_utils import (
 
 from ..cache.adaptive import Budget
 from ..cache.state import ATTENTION_NAME, Journal, forward_epoch
-from ..codecs import value_group
-from ..diagnostics import MemoryReport, memory_report
+from ..diagnostics import MemoryReport, memory_report, untiered_tensors
 from ..errors import CacheFullError, KVTierError
 from ..policy import TierPolicy, get_policy
 from ..stats import OffloadStats, SparseStats, tensor_bytes
@@ -193,16 +192,8 @@ class TieredCache(Cache):
         text = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
         n = len(layer_types)
-        for idx in self.policy.layer_overrides:
-            if not -n <= idx < n:
-                raise ValueError(f"layer_overrides key {idx} is not allowed: the model has {n} layers")
+        self.policy.check_layers(n)  # keys beyond the model, two keys naming one layer
         policies = {i: self.policy.for_layer(i, n) for i, kind in enumerate(layer_types) if kind == "full_attention"}
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        for p in set(policies.values()):
-            if not p.is_exact:
-                value_group(
-                    p, head_dim
-                )  # a group size head_dim refuses: the one-line error here, not at the first call
         offloading = [p.offload for p in policies.values() if p.cold == "offload" and not p.is_exact]
         if max_bytes is not None and on_full in ("evict", "degrade") and offloading:
             raise ValueError(
@@ -494,13 +485,7 @@ class TieredCache(Cache):
     # --- byte cap -----------------------------------------------------------------------------
     def _other_bytes(self) -> int:
         """Bytes of the layers that are not tiered (sliding-window layers of hybrid models)."""
-        tensors = [
-            t
-            for layer in self.layers
-            if not isinstance(layer, TieredLayer)
-            for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-            if isinstance(t, torch.Tensor)
-        ]
+        tensors = [t for layer in self.layers if not isinstance(layer, TieredLayer) for t in untiered_tensors(layer)]
         return tensor_bytes(tensors)
 
     def _held(self, layer: TieredLayer) -> int:
@@ -593,9 +578,19 @@ class TieredCache(Cache):
         with self._between_calls("crop"):
             for layer in self.tiered_layers:
                 layer.check_crop(tokens_to_remove)
-            for layer in self.layers:  # transformers' own layers (hybrid models) first: they may refuse
-                if not isinstance(layer, TieredLayer):
+            others = [
+                (i, layer, _Saved(layer)) for i, layer in enumerate(self.layers) if not isinstance(layer, TieredLayer)
+            ]
+            for i, layer, _ in others:  # transformers' own layers (hybrid models) first: they may refuse
+                try:
                     layer.crop(tokens_to_remove)
+                except Exception as err:
+                    for _, lay, saved in others:
+                        saved.restore(lay)
+                    raise KVTierError(
+                        f"TieredCache cannot crop {-tokens_to_remove} tokens: layer {i} ({type(layer).__name__}) "
+                        f"refuses ({err}); the cache is unchanged"
+                    ) from err
             for layer in self.tiered_layers:
                 layer.crop(tokens_to_remove)
                 self._bytes.pop(layer.layer_idx, None)
