@@ -344,3 +344,16 @@ def test_bits_that_contradict_the_policy_name_are_refused(llama):
         kvtier.TieredCache(llama.config, "adaptive@2.5", bits=3.0)
     assert kvtier.TieredCache(llama.config, "adaptive@2.5", bits=2.5).policy.adaptive.bits == 2.5
     assert kvtier.TieredCache(llama.config, "adaptive", bits=3.0).policy.adaptive.bits == 3.0
+
+
+def test_a_hybrid_cache_cropped_to_nothing_takes_a_batch_change(gemma):
+    """Found by scripts/fuzz_model.py (seed 2980): a sliding layer cropped to no token skipped
+    ``batch_select_indices`` (transformers' layers do when empty) and kept an empty tensor of the old
+    batch, so the next call raised a raw torch size mismatch."""
+    with kvtier.enable(gemma):
+        cache = kvtier.TieredCache(gemma.config, "exact")
+        _feed(gemma, cache, random_ids(2, batch=3))
+        cache.crop(-2)
+        cache.batch_select_indices(torch.tensor([0, 2]))
+        _feed(gemma, cache, random_ids(5, batch=2))
+        assert _lengths(cache) == [5] * 4

@@ -551,15 +551,26 @@ class TieredCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         with self._between_calls("reorder_cache"):
+            self._reset_empty_others()
             super().reorder_cache(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         with self._between_calls("batch_select_indices"):
+            self._reset_empty_others()
             super().batch_select_indices(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         with self._between_calls("batch_repeat_interleave"):
+            self._reset_empty_others()
             super().batch_repeat_interleave(repeats)
+
+    def _reset_empty_others(self) -> None:
+        """transformers' layers holding no token (cropped to nothing) skip a batch change and keep
+        an empty tensor of the old batch, which the next call's states cannot join: such a layer is
+        reset (its public ``reset``: uninitialized, as before its first call)."""
+        for layer in self.layers:
+            if not isinstance(layer, TieredLayer) and layer.is_initialized and layer.get_seq_length() == 0:
+                layer.reset()
 
     def reset(self) -> None:
         """Empty every layer; an interrupted call of this thread is dropped with the rest."""
