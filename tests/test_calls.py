@@ -357,3 +357,22 @@ def test_a_hybrid_cache_cropped_to_nothing_takes_a_batch_change(gemma):
         cache.batch_select_indices(torch.tensor([0, 2]))
         _feed(gemma, cache, random_ids(5, batch=2))
         assert _lengths(cache) == [5] * 4
+
+
+def test_a_byte_cap_counts_sliding_layers_that_run_after_the_last_tiered_one():
+    """Found by scripts/fuzz_model.py (seed 4404): the cap was checked at each tiered layer's settle,
+    so a sliding layer after the last full one grew past ``max_bytes`` unchecked; the call now ends
+    within the cap or is refused whole."""
+    model = tiny_gemma3(num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"])
+    with kvtier.enable(model):
+        ref = kvtier.TieredCache(model.config, "default")
+        _feed(model, ref, random_ids(20))
+        _feed(model, ref, random_ids(12, seed=1))
+        need = ref.memory_report().total_bytes
+        cache = kvtier.TieredCache(model.config, "default", max_bytes=need - 1)
+        _feed(model, cache, random_ids(20))
+        before = _lengths(cache)
+        with pytest.raises(CacheFullError, match="unchanged"):
+            _feed(model, cache, random_ids(12, seed=1))
+        assert _lengths(cache) == before
+        assert cache.memory_report().total_bytes <= need - 1

@@ -442,7 +442,9 @@ class TieredCache(Cache):
             self._finish(call)
 
     def _finish(self, call: _Call) -> None:
-        """Keep ``call`` (the caller holds ``_lock``): every layer it reached must have finished."""
+        """Keep ``call`` (the caller holds ``_lock``): every layer it reached must have finished, and
+        the cache must be within ``max_bytes`` with every layer's share of this call counted (the
+        cap checked at a tiered layer's settle cannot see transformers' layers that run after it)."""
         if call.done != len(call.journals):  # a tiered layer updated but never attended (not kvtier attention)
             self._rollback(call)
             raise KVTierError(
@@ -450,6 +452,16 @@ class TieredCache(Cache):
                 "not run kvtier attention in every layer); the call was undone: run the model inside "
                 "`with kvtier.enable(model):`"
             )
+        if self.max_bytes is not None and call.saved:
+            try:
+                tiered = self.tiered_layers
+                if self._other_bytes() + sum(self._held(t) for t in tiered) > self.max_bytes:
+                    for layer in tiered:  # evict or degrade to the share left now, or refuse
+                        self._enforce_cap(layer)
+                        self._bytes[layer.layer_idx] = layer.nbytes()
+            except BaseException as err:
+                self._rollback(call, err)
+                raise
         for lay, journal in call.journals.values():
             journal.commit(lay)
         if call.epoch is not None:
