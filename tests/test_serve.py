@@ -137,7 +137,14 @@ def test_dry_run_refuses_an_empty_model_and_a_remote_key_the_server_could_not_re
     remote = ["serve", "m", "--store", "default", "--remote", "redis://h:1/0", "--dry-run", "--remote-key"]
     for source, message in (
         ("env:KVTIER_TEST_KEY", "the environment variable KVTIER_TEST_KEY is not set"),
-        (f"file:{tmp_path / 'missing'}", "the key file cannot be read (No such file or directory)"),
+        (
+            f"file:{tmp_path / 'missing'}",
+            f"the key file cannot be read (key file {tmp_path / 'missing'} does not exist)",
+        ),
+        (
+            "file:/dev/zero",
+            "the key file cannot be read (key file /dev/zero is not a regular file (a FIFO, a device or a socket))",
+        ),
         (f"file:{tmp_path / 'short'}", "expected a 32-byte key as 64 hex digits or base64"),
     ):
         assert main([*remote, source]) == 2
