@@ -832,7 +832,8 @@ def soak(args: argparse.Namespace, work: Path, prompts: Prompts) -> dict:
 
     s = load.stats
     return {
-        "server": " ".join(cmd[2:]),
+        # the temporary folder is this machine's: named by its place, not its path
+        "server": " ".join(cmd[2:]).replace(tempfile.gettempdir(), "$TMPDIR"),
         "ready_s": round(ready_s, 1),
         "run_s": round(run_s, 1),
         "requests": load.done(),
