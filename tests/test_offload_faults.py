@@ -353,6 +353,35 @@ def test_push_is_all_or_nothing(step, backend, tmp_path, monkeypatch):
     layer.cold.close()
 
 
+@pytest.mark.parametrize("backend", ["cpu", "disk"])
+def test_undone_push_keeps_the_slabs_earlier_calls_grew(backend, tmp_path):
+    """Fuzzer seed 8330: undoing a push released every empty trailing slab, those grown by earlier
+    kept calls (their records freed since) too, so after a refused call the store reserved fewer
+    bytes than one that never ran it. The undo now releases only the slabs grown since the journal
+    began (``OffloadTier.state``/``restore``)."""
+    layer, *_ = offload_layer(off_policy(backend=backend, path=str(tmp_path) if backend == "disk" else None))
+    tier, store = layer.cold, layer.cold.store
+    B, H, T = tier.table.shape[0], tier.table.shape[1], tier.block_tokens
+    g = torch.Generator().manual_seed(3)
+
+    def kv(blocks):
+        k, v = torch.randn(B, H, blocks * T, 12, generator=g), torch.randn(B, H, blocks * T, 12, generator=g)
+        return k, v, torch.ones(B, blocks * T, dtype=torch.bool)
+
+    tier.push(*kv(10))
+    tier.release(tier.drop_front(tier.nblocks))  # a kept move: every record freed, the slabs stay
+    capacity, files = store.capacity, store.files()
+    assert store.live == 0 and store.capacity > slab_sizes(1, store.record_bytes)[0]  # two slabs or more
+    for blocks in (2, capacity // (B * H) + 1):  # fits the slabs held; grows past them
+        state, before = tier.state(), tier.nblocks
+        tier.push(*kv(blocks))
+        assert store.live == B * H * blocks
+        tier.truncate(before)  # the journal's undo, then its restore
+        tier.restore(state)
+        assert (store.live, store.capacity, store.files()) == (0, capacity, files)
+    layer.cold.close()
+
+
 def test_store_put_releases_grown_slabs(tmp_path, monkeypatch):
     store = BlockStore(64, "disk", str(tmp_path), name="p")
     store.put(torch.zeros(10, 64, dtype=torch.uint8))

@@ -277,13 +277,19 @@ class BlockStore(NotCopyable):
         self.capacity = cap
         self.version += 1
 
-    def trim(self) -> None:
-        """Release trailing slabs that hold no live record (their files too): a store whose
-        records were freed after an undone push gives back the slabs that push grew."""
-        keep = len(self._starts)
-        while keep and not any(self._live[self._starts[keep - 1] :]):
-            keep -= 1
-        self._release_slabs(keep)
+    @property
+    def slabs(self) -> int:
+        """Slabs the store holds (a mark for :meth:`trim`)."""
+        return len(self._starts)
+
+    def trim(self, keep: int = 0) -> None:
+        """Release trailing slabs beyond the first ``keep`` that hold no live record (their files
+        too): a store whose records were freed after an undone push gives back the slabs that push
+        grew, and only those (``keep``: the slab count before it)."""
+        n = len(self._starts)
+        while n > keep and not any(self._live[self._starts[n - 1] :]):
+            n -= 1
+        self._release_slabs(n)
 
     def _new_file(self, size: int) -> tuple[mmap.mmap, str]:
         assert self.directory is not None

@@ -133,12 +133,18 @@ class OffloadTier(Tier, NotCopyable):
         self.fields, self.table = new, table
 
     def state(self) -> tuple:
-        """The per-step prediction (what a layer's journal restores beside the block moves)."""
-        return self.memory.state()
+        """The per-step prediction and the store's slab count (what a layer's journal restores
+        beside the block moves)."""
+        return self.memory.state(), self.store.slabs
 
     def restore(self, state: tuple) -> None:
+        """Put the prediction back and release the slabs grown since :meth:`state` (their records
+        were freed by the undone pushes; slabs that held records before stay, as in a store that
+        never ran the undone call)."""
         self.drop_staging()
-        self.memory.restore(state)
+        memory, slabs = state
+        self.memory.restore(memory)
+        self.store.trim(keep=slabs)
 
     def truncate(self, n: int) -> None:
         """Keep the oldest ``n`` blocks and free the records of the others (undoes a :meth:`push`)."""
@@ -153,8 +159,7 @@ class OffloadTier(Tier, NotCopyable):
             self.fields = {name: t[:, :, :n].clone() for name, t in self.fields.items()}
             self.table = self.table[:, :, :n].clone()
         self.memory.moved()
-        self.release({"table": gone})
-        self.store.trim()
+        self.release({"table": gone})  # the slabs the push grew go in restore
 
     def drop_front(self, n: int) -> dict[str, torch.Tensor]:
         """Remove the oldest ``n`` blocks from the tier and return them (resident fields and their
