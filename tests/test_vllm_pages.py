@@ -9,6 +9,7 @@ blocks that were full before a step through ``decode(encode(block))``.
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -369,6 +370,34 @@ def test_lost_slot_raises() -> None:
     side = SideBuffer(8, 32, H, D, torch.bfloat16)
     with pytest.raises(SideSlotLost, match="not kept"):
         plan_step(side, [0, 1], [6], torch.tensor([[4]]), 1)  # block 4 was never written
+
+
+def test_a_loaded_block_read_in_part_comes_from_its_page_not_from_a_stale_side_slot() -> None:
+    """The serving soak's crash (``SideSlotLost: block 371 is partly filled (127 of 128 tokens) but its
+    exact tokens were not kept``): vLLM recomputes the last token of a prompt the prefix store held
+    whole, so the step reads the first T - 1 rows of a block the store just loaded. A block id the
+    side buffer never saw packed raised (and killed the engine); one with a slot left from its last,
+    partial use read that slot's rows: another sequence's tokens, silently. The store's worker now
+    says which pages it wrote (``page_events.pages_loaded``) and the read comes from the page."""
+    from kvtier.vllm.page_events import listen, pages_loaded
+
+    T = 32
+    side = SideBuffer(8, T, H, D, torch.bfloat16)
+    listen("engine-a", side)
+    plan_step(side, [0, 10], [10], torch.tensor([[5]]), 10)  # block 5: a request's partial last block
+    stale = side.slot_of[5]
+    # a prompt of two blocks the store held whole (6, then 5 or 7), its last token recomputed
+    req = plan_step(copy.deepcopy(side), [0, 1], [2 * T], torch.tensor([[6, 5]]), 1).requests[0]
+    assert (req.side_slot, req.side_rows) == (stale, T - 1)  # the load unknown: the stale rows
+    pages_loaded("engine-b", [6, 5, 7])  # another engine's blocks: not this buffer's
+    assert side.slot_of.get(5) == stale
+    with pytest.raises(SideSlotLost, match="block 7 is partly filled"):
+        plan_step(copy.deepcopy(side), [0, 1], [2 * T], torch.tensor([[6, 7]]), 1)
+    pages_loaded("engine-a", [6, 5, 7])
+    assert 5 not in side.slot_of and stale in side.free
+    for last in (5, 7):
+        req = plan_step(copy.deepcopy(side), [0, 1], [2 * T], torch.tensor([[6, last]]), 1).requests[0]
+        assert (req.packed, req.head_block, req.head_rows, req.side_slot) == ([6], last, T - 1, -1)
 
 
 def test_engine_kwargs() -> None:

@@ -76,6 +76,11 @@ def test_default_pages_with_the_default_store(model_path, book_ids, plain, tmp_p
         assert len(files) == 3 * PREFIX // BLOCK
         assert sum(f.stat().st_size for f in files) <= 0.30 * 3 * PREFIX * store.fmt.dense_bytes // BLOCK
         llm.reset_prefix_cache()
+        # a prompt the store holds whole (block-aligned): vLLM loads every block and recomputes the
+        # last token, reading the last loaded page in part (before the fix: SideSlotLost, engine dead)
+        whole = [generate(llm, [windows[1][:PREFIX]], 4)[0] for _ in range(2)]
+        assert whole[0][1] >= PREFIX - 1 and whole[0][0] == whole[1][0] and len(whole[0][0]) == 4
+        llm.reset_prefix_cache()
         ref = generate(llm, [w[:PREFIX] + [13] for w in windows[:1]], 16)[0]
         assert ref[1] == PREFIX
     finally:

@@ -35,6 +35,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ...codecs.pages import PageFormat
 from ...quant.rotation import rotation
+from ..page_events import listen
 from .attention import PagedAttention, PagedPlan
 from .paged import SideBuffer, plan_step
 from .policy import _PREFIX, CONFIG_KEY, SELECT, PagePolicy, get_page_policy, parse_policy_name, policy_name
@@ -87,6 +88,8 @@ class _PagedBuilder(AttentionMetadataBuilder[KVTierMetadata]):
             slots, kv_cache_spec.block_size, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, kv_cache_spec.dtype
         )
         _SIDES.add(self.side)
+        transfer = vllm_config.kv_transfer_config  # the prefix store's loads write pages of this engine
+        listen(None if transfer is None else transfer.engine_id, self.side)
         spec = kv_cache_spec
         heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         fmt = PageFormat(self.policy, spec.num_kv_heads, spec.head_size, spec.dtype)

@@ -113,6 +113,15 @@ class SideBuffer:
             self.free.append(slot)
         self.packed.add(block)
 
+    def pages_loaded(self, blocks: list[int]) -> None:
+        """Blocks whose pages were written whole from outside (the prefix store loaded full packed
+        pages): drop any exact tokens still kept for those ids (a slot left by the block's last,
+        partial use, which would be read as its first tokens) and mark them packed, so a request
+        that starts reading one in part (vLLM recomputes the last token of a prompt the store held
+        whole) reads the page (:mod:`kvtier.vllm.page_events`)."""
+        for b in blocks:
+            self.release(b)
+
 
 @dataclass
 class RequestPlan:

@@ -74,6 +74,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...errors import KVTierError
+from ..page_events import pages_loaded
 from .blocks import BlockFormat
 from .config import StoreConfig
 from .policy import get_store_policy
@@ -341,8 +342,10 @@ class KVTierWorker(OffloadingWorker):
         kv_caches: CanonicalKVCaches,
         group_ids: Sequence[int] = (0,),
         head0: int = 0,
+        engine_id: str | None = None,
     ):
         self.area = area
+        self.engine_id = engine_id  # whose side buffers learn of the packed pages a load writes
         self.fmt = fmt  # this rank's pages
         self.heads = slice(head0, head0 + fmt.heads)
         if len(kv_caches.group_data_refs) != len(group_ids):
@@ -419,6 +422,8 @@ class KVTierWorker(OffloadingWorker):
         t0 = time.perf_counter()
         for key, block, slot in zip(spec.keys, blocks, spec.slots):
             copy(self._pages(key), block, self.area.slot(slot))
+        if what == "load" and self.fmt.page_bytes:  # whole packed pages: no exact rows of them stay valid
+            pages_loaded(self.engine_id, blocks)
         size = len(blocks) * self.fmt.exact_bytes
         self._done.put(TransferResult(job_id, True, size, time.perf_counter() - t0))
         return True
@@ -647,7 +652,9 @@ class KVTierOffloadingSpec(OffloadingSpec):
             if par.rank == 0:
                 area.publish(pointer_path(slot_dir(), config.engine_id))
             groups = [g.group_id for g in config.groups]
-            self._worker = KVTierWorker(area, fmt, kv_caches, groups, head0=rank * fmt.heads)
+            self._worker = KVTierWorker(
+                area, fmt, kv_caches, groups, head0=rank * fmt.heads, engine_id=config.engine_id
+            )
         return self._worker
 
 
