@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip install -q "torch==2.13.0"
-pip install -q -e ".[hf,gguf,test,baselines]"
+pip install -q -e ".[hf,gguf,test,baselines,tasks]"
 # Triton (the `gpu` extra) for tests/test_triton.py, which runs the kernels through Triton's CPU
 # interpreter and compiles them for sm_90; pinned to the tested version, --no-deps so that nothing
 # can replace the pinned CPU torch.

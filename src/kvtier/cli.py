@@ -1,6 +1,6 @@
 """The ``kvtier`` command.
 
-``plan`` (bytes before running), ``demo`` (a real model, side by side), ``eval ppl|recall|fidelity``
+``plan`` (bytes before running), ``demo`` (a real model, side by side), ``eval ppl|recall|fidelity|tasks``
 and ``bench`` (every cache side by side in one process, results JSON + plots), ``report``
 (results -> markdown).
 
@@ -406,6 +406,59 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return status
 
 
+def cmd_eval_tasks(args: argparse.Namespace) -> int:
+    """``kvtier eval tasks``: RULER's task families (kvtier.eval.tasks) through every cache, resumable."""
+    from .eval import tasks as T
+    from .eval.taskrun import print_summary, run_tasks, summarize
+
+    names = T.task_names(args.tasks)  # before the model loads: a bad name fails fast
+    stem = Path(args.out or f"results/tasks-{time.strftime('%Y%m%d-%H%M%S')}.json").with_suffix("")
+    prompts = Path(args.prompts) if args.prompts else stem.with_name(stem.name + ".prompts.jsonl")
+    log = Path(args.log) if args.log else stem.with_name(stem.name + ".rows.jsonl")
+    if args.generate_only or not prompts.exists():
+        from transformers import AutoTokenizer
+
+        from .models import model_dir
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir(args.model)))
+        prompts.parent.mkdir(parents=True, exist_ok=True)
+        gen = T.generate(tok, names, args.lengths, args.samples, args.seed)
+        from .eval.run import progress
+
+        total = len(names) * len(set(args.lengths)) * args.samples
+        n = T.write_jsonl(progress(gen, total=total, desc="prompts"), prompts)
+        print(f"wrote {n} prompts to {prompts}", file=sys.stderr)
+        if args.generate_only:
+            return 0
+    samples = [s for s in T.read_jsonl(prompts) if s.task in names and s.length in args.lengths]
+    samples = [s for s in samples if s.index < args.samples]
+    if not samples:
+        raise ValueError(f"{prompts} holds no prompt of tasks {names} at lengths {args.lengths}")
+    model, tok, _, specs = _setup(args)
+    config = {"model": args.model, "caches": [s.name for s in specs], "tasks": names, "lengths": args.lengths}
+    config.update(samples=args.samples, seed=args.seed, protocols=args.protocol, chunk=args.chunk)
+    config.update(attention=args.attention, dtype=str(args.dtype).removeprefix("torch."), threads=args.threads)
+    config.update(prompts=str(prompts), log=str(log))
+    log.parent.mkdir(parents=True, exist_ok=True)
+    rows = run_tasks(
+        model, tok, samples, specs, args.protocol, args.chunk, log=log, echo=lambda m: print(m, file=sys.stderr)
+    )
+    summary = summarize(rows)
+    print_summary(summary)
+    status = _finish("tasks", summary, config, args, out=str(stem) + ".json")
+    print(json.dumps({"kind": "tasks", "rows": [r for r in summary if r["task"] in ("ruler", "code")]}))
+    return status
+
+
+def _protocols(text: str) -> list[str]:
+    from .eval.taskrun import PROTOCOLS
+
+    vals = [p.strip() for p in text.split(",") if p.strip()]
+    if not vals or any(p not in PROTOCOLS for p in vals):
+        raise argparse.ArgumentTypeError(f"expected comma-separated protocols of {PROTOCOLS}: {text!r}")
+    return vals
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .eval.run import run_bench
 
@@ -581,6 +634,31 @@ def _add_eval(sub: Any) -> None:
             if task == "ppl":
                 t.add_argument("--fidelity-out", help="also write the fidelity results of the same run here")
         t.set_defaults(fn=cmd_eval)
+    t = esub.add_parser(
+        "tasks",
+        help="RULER's task families (needles, variable tracking, common/frequent words; code haystacks) per cache",
+    )
+    _model_args(t)
+    t.add_argument("--caches", type=_caches, default=_caches("default"), help="comma-separated names or 'all'")
+    t.add_argument("--tasks", default="ruler", help="a suite (ruler, code, all) or comma-separated task ids")
+    t.add_argument("--lengths", type=_ints, default=_ints("4k"), help="prompt lengths in tokens, e.g. 4k,8k,16k")
+    t.add_argument("--samples", type=_positive, default=10, help="prompts per task and length")
+    t.add_argument("--seed", type=_nonnegative, default=0)
+    t.add_argument(
+        "--protocol",
+        type=_protocols,
+        default=["one"],
+        help="one: the context prefilled in one call (kvpress's protocol); stream: in --chunk calls; or both",
+    )
+    t.add_argument("--chunk", type=_positive, default=512, help="prefill chunk of the stream protocol")
+    t.add_argument("--prompts", help="prompts JSONL: read if it exists, else generated and written there")
+    t.add_argument("--log", help="per-prompt rows JSONL (resumable; default <out>.rows.jsonl)")
+    t.add_argument("--generate-only", action="store_true", help="write the prompts JSONL and stop")
+    t.add_argument("--threads", type=_threads, default=max(1, min(2, torch.get_num_threads())))
+    t.add_argument("--out", help="results JSON path (default results/tasks-<time>.json); rerun with it to resume")
+    t.add_argument("--no-plots", action="store_true")
+    t.add_argument("--attention", default="auto", choices=["auto", "reference", "torch", "cpu", "fused", "triton"])
+    t.set_defaults(fn=cmd_eval_tasks, text=None, books=None)
 
 
 def _add_bench(sub: Any) -> None:

@@ -133,3 +133,32 @@ def feed_chunks(model, cache, ids: torch.Tensor, mask: torch.Tensor, chunks) -> 
             pos += c
             out.append(model(ids[:, pos - c : pos], attention_mask=mask[:, :pos], cache=cache, use_cache=True).logits)
     return torch.cat(out, dim=1)
+
+
+class ByteTokenizer:
+    """A tokenizer of UTF-8 bytes (ids 0-255; id 0 pads, id 4 ends a turn) with a plain chat
+    template: enough for code that counts tokens and renders chat prompts (``kvtier.eval.tasks``)
+    without a real model's tokenizer. Pair it with a model of ``vocab_size=256``."""
+
+    chat_template = "<user>{content}</user><assistant>"
+    name_or_path = "bytes"
+    pad_token_id = 0
+    eos_token_id = 4
+
+    def __call__(self, text: str, add_special_tokens: bool = False, return_tensors: str | None = None):  # noqa: ANN204
+        from types import SimpleNamespace
+
+        ids = list(text.encode("utf-8"))
+        return SimpleNamespace(input_ids=torch.tensor([ids]) if return_tensors == "pt" else ids)
+
+    def apply_chat_template(
+        self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = True
+    ) -> str:
+        text = "".join(self.chat_template.format(content=m["content"]) for m in messages)
+        return text if add_generation_prompt else text.removesuffix("<assistant>")
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:  # noqa: ANN001
+        ids = [int(i) for i in ids]
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in (self.pad_token_id, self.eos_token_id)]
+        return bytes(ids).decode("utf-8", errors="replace")

@@ -1,5 +1,6 @@
-"""PNG plots of results: KV bytes vs context, perplexity vs bytes per token (Pareto front), and
-recall heatmaps (depth x context). matplotlib with the Agg backend (no display needed)."""
+"""PNG plots of results: KV bytes vs context, perplexity vs bytes per token (Pareto front),
+recall heatmaps (depth x context) and long-context task scores vs bytes. matplotlib with the Agg
+backend (no display needed)."""
 
 from __future__ import annotations
 
@@ -114,6 +115,44 @@ def recall_heatmap(rows: list[dict], path: str | Path) -> Path:
     return Path(path)
 
 
+def tasks_vs_bytes(rows: list[dict], path: str | Path, suite: str = "ruler") -> Path:
+    """Task score vs measured bytes (fraction of fp16), one panel per (length, protocol): one
+    point per cache, the full cache (``dynamic``) as a line; from :func:`kvtier.eval.taskrun.summarize`
+    rows of ``task == suite``."""
+    rows = [r for r in rows if r["task"] == suite]
+    panels = sorted({(r["length"], r["protocol"]) for r in rows})
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5.2 * max(1, len(panels)), 4.4), squeeze=False)
+    colors = plt.get_cmap("tab20").colors
+    caches = list(dict.fromkeys(r["cache"] for r in rows))
+    for ax, (length, protocol) in zip(axes[0], panels):
+        for r in (r for r in rows if (r["length"], r["protocol"]) == (length, protocol)):
+            color = colors[caches.index(r["cache"]) % len(colors)]
+            if r["cache"] == "dynamic":
+                ax.axhline(
+                    r["score"], color="black", linestyle="--", linewidth=1, label=f"full cache ({r['score']:.1f})"
+                )
+                continue
+            err = [[r["score"] - r["ci_low"]], [r["ci_high"] - r["score"]]] if "ci_low" in r else None
+            ax.errorbar(
+                r["ratio_fp16"],
+                r["score"],
+                yerr=err,
+                fmt=_style(r["cache"])["marker"],
+                color=color,
+                capsize=3,
+                label=f"{r['cache']} ({r['score']:.1f})",
+            )
+        ax.set_xlabel("KV bytes / fp16 (measured)")
+        ax.set_ylabel(f"{suite} score (mean of tasks)")
+        ax.set_title(f"{length} tokens, prefill {protocol}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
 def plots_for(doc: dict, stem: str | Path) -> list[Path]:
     """The plots that fit a results document, written as ``<stem>-<plot>.png``."""
     stem = str(stem)
@@ -126,6 +165,9 @@ def plots_for(doc: dict, stem: str | Path) -> list[Path]:
         return [bytes_vs_context(rows, stem + "-bytes.png")]
     if kind == "recall":
         return [recall_heatmap(rows, stem + "-recall.png")]
+    if kind == "tasks":
+        suites = [s for s in ("ruler", "code") if any(r["task"] == s for r in rows)]
+        return [tasks_vs_bytes(rows, f"{stem}-{s}.png", s) for s in suites]
     return []
 
 

@@ -113,10 +113,32 @@ def _bench_section(doc: dict) -> str:
     )
 
 
+def _tasks_section(doc: dict) -> str:
+    rows = doc["rows"]
+    parts = []
+    for length, protocol in sorted({(r["length"], r["protocol"]) for r in rows}):
+        rs = [r for r in rows if (r["length"], r["protocol"]) == (length, protocol)]
+        tasks = list(dict.fromkeys(r["task"] for r in rs))
+        caches = list(dict.fromkeys(r["cache"] for r in rs))
+        cell = {(r["cache"], r["task"]): r for r in rs}
+        table = []
+        for c in caches:
+            ratio = sum(r["ratio_fp16"] for r in rs if r["cache"] == c) / sum(1 for r in rs if r["cache"] == c)
+            table.append(
+                [c, f"{ratio:.3f}", *[f"{cell[(c, t)]['score']:.1f}" if (c, t) in cell else "" for t in tasks]]
+            )
+        parts.append(
+            f"**{length} tokens, prefill {protocol}** (score x 100: fraction of expected strings found; "
+            f"samples per task: {max(r['samples'] for r in rs)})\n\n" + _table(["cache", "bytes / fp16", *tasks], table)
+        )
+    return "\n\n".join(parts)
+
+
 SECTIONS = {
     "ppl": ("Streamed perplexity", _ppl_section),
     "recall": ("Long-range recall", _recall_section),
     "fidelity": ("Logit fidelity vs the full cache", _fidelity_section),
+    "tasks": ("Long-context tasks (RULER's families)", _tasks_section),
     "bench": ("Speed and memory", _bench_section),
 }
 
@@ -138,7 +160,7 @@ def merge_docs(docs: list[dict]) -> list[dict]:
 
 
 def _row_key(row: dict) -> tuple:
-    return tuple(row.get(k) for k in ("cache", "text", "context", "depth"))
+    return tuple(row.get(k) for k in ("cache", "text", "context", "depth", "length", "protocol", "task"))
 
 
 def _load_all(paths: list[str | Path]) -> list[dict]:

@@ -2,12 +2,13 @@
 
 Schema ``kvtier.results/1``::
 
-    {"schema": "kvtier.results/1", "kind": "ppl" | "recall" | "fidelity" | "bench",
+    {"schema": "kvtier.results/1", "kind": "ppl" | "recall" | "fidelity" | "tasks" | "bench",
      "created": ISO-8601, "command": str, "env": {...}, "config": {...}, "rows": [{...}, ...]}
 
 Rows per kind (required keys): ``ppl``: cache, text, context, ppl, dppl_pct, kv_bytes,
 dense_fp16_bytes, bytes_per_token; ``recall``: cache, context, depth, correct, total;
-``fidelity``: cache, text, context, kl, top1; ``bench``: cache, context, prefill_s,
+``fidelity``: cache, text, context, kl, top1; ``tasks`` (:func:`kvtier.eval.taskrun.summarize`):
+cache, length, protocol, task, score, samples, ratio_fp16; ``bench``: cache, context, prefill_s,
 decode_tok_s, ms_per_token, kv_bytes, peak_rss_mb, decode_tok_s_ratio.
 """
 
@@ -28,6 +29,7 @@ KINDS = {
     "ppl": ("cache", "text", "context", "ppl", "dppl_pct", "kv_bytes", "dense_fp16_bytes", "bytes_per_token"),
     "recall": ("cache", "context", "depth", "correct", "total"),
     "fidelity": ("cache", "text", "context", "kl", "top1"),
+    "tasks": ("cache", "length", "protocol", "task", "score", "samples", "ratio_fp16"),
     "bench": (
         "cache",
         "context",

@@ -34,16 +34,19 @@ def strip_gutenberg(text: str) -> str:
     return text.strip()
 
 
+def default_data_dir(kind: str = "pg") -> Path | None:
+    """``../shared/data/<kind>`` (``pg``: the books, ``code``: CPython sources) next to the current
+    directory or above it, if present with ``.txt`` files."""
+    for base in (Path.cwd(), *Path.cwd().parents):
+        for cand in (base / "shared" / "data" / kind, base.parent / "shared" / "data" / kind):
+            if cand.is_dir() and any(cand.glob("*.txt")):
+                return cand
+    return None
+
+
 def default_book_dir() -> Path | None:
     """``../shared/data/pg`` next to the current directory or above it, if present."""
-    for base in (Path.cwd(), *Path.cwd().parents):
-        cand = base / "shared" / "data" / "pg"
-        if cand.is_dir() and any(cand.glob("*.txt")):
-            return cand
-        cand = base.parent / "shared" / "data" / "pg"
-        if cand.is_dir() and any(cand.glob("*.txt")):
-            return cand
-    return None
+    return default_data_dir("pg")
 
 
 def shipped_book() -> dict[str, str]:
