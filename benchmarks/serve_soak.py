@@ -399,6 +399,14 @@ def kvtier_cmd(
     return cmd + vllm_flags(port)
 
 
+def plain_cmd(port: int) -> list[str]:
+    """vLLM's own OpenAI server on the model, no kvtier (its pages, its prefix cache)."""
+    from kvtier.models import model_dir
+
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir(MODEL))]
+    return cmd + ["--served-model-name", MODEL, "--enforce-eager"] + vllm_flags(port)
+
+
 def vllm_flags(port: int) -> list[str]:
     return [
         "--host",
@@ -670,7 +678,10 @@ def soak(args: argparse.Namespace, work: Path, prompts: Prompts) -> dict:
     disk = work / "blocks"
     shm_before = set(os.listdir("/dev/shm"))
     port = free_port()
-    cmd = kvtier_cmd(port, args.pages, args.store, args.cpu_bytes, disk, args.disk_bytes, redis.url + "/0")
+    if args.plain:  # the control: the same load on vLLM alone
+        cmd = plain_cmd(port)
+    else:
+        cmd = kvtier_cmd(port, args.pages, args.store, args.cpu_bytes, disk, args.disk_bytes, redis.url + "/0")
     server = Server("kvtier", cmd, port, work / "soak-server.log")
     print(f"soak: starting {' '.join(cmd[2:])}", flush=True)
     ready_s = server.wait_ready()
@@ -886,8 +897,6 @@ def soak(args: argparse.Namespace, work: Path, prompts: Prompts) -> dict:
 def exact_check(args: argparse.Namespace, work: Path, prompts: Prompts, books: list[list[int]]) -> dict:
     """Greedy tokens of kvtier ``exact`` servers (computed, then from the store after a reset of
     vLLM's prefix cache) vs a plain vLLM server's."""
-    from kvtier.models import model_dir
-
     rng = random.Random(args.seed + 7)
     sample = []
     for i in range(args.exact_prompts):
@@ -919,9 +928,7 @@ def exact_check(args: argparse.Namespace, work: Path, prompts: Prompts, books: l
     for name, kind in configs.items():
         port = free_port()
         if kind is None:
-            path = str(model_dir(MODEL))
-            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path]
-            cmd += ["--served-model-name", MODEL, "--enforce-eager"] + vllm_flags(port)
+            cmd = plain_cmd(port)
         else:
             disk = work / f"exact-{kind}"
             cmd = kvtier_cmd(port, "exact" if kind == "pages" else None, "exact", 256 << 20, disk, None, None)
@@ -1002,6 +1009,12 @@ def main() -> None:
         "--exact-configs", default="store,pages", help="'store' (--store exact), 'pages' (+ --pages exact); '' skips"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--plain",
+        action="store_true",
+        help="the control: the same load on plain vLLM (no kvtier) for its memory trends; the store's checks "
+        "do not apply (pass --redis-kills 0 --exact-configs '')",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the work folder (server logs, block files)")
     ap.add_argument(
         "--out",
