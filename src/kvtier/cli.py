@@ -292,18 +292,25 @@ def _caches(text: str) -> list[str]:
 
 
 def _setup(args: argparse.Namespace):
-    from .eval.run import usable_specs
     from .eval.texts import load_pg19, load_texts
-    from .models import load_model
 
     if getattr(args, "pg19", False):  # texts before the model: a missing file fails fast
         texts = load_pg19(limit=args.books or 4)
     else:
         texts = load_texts(args.text, limit=args.books)
+    model, tok, specs = _load(args)
+    return model, tok, texts, specs
+
+
+def _load(args: argparse.Namespace):
+    """``(model, tokenizer, specs)``: the model on ``--threads`` threads and the caches that run here."""
+    from .eval.run import usable_specs
+    from .models import load_model
+
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, dtype=args.dtype)
     specs = usable_specs(model, args.caches, log=lambda m: print(m, file=sys.stderr))
-    return model, tok, texts, _forced(specs, args.attention, model)
+    return model, tok, _forced(specs, args.attention, model)
 
 
 def _forced(specs: list, attention: str, model) -> list:
@@ -434,7 +441,7 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
     samples = [s for s in samples if s.index < args.samples]
     if not samples:
         raise ValueError(f"{prompts} holds no prompt of tasks {names} at lengths {args.lengths}")
-    model, tok, _, specs = _setup(args)
+    model, tok, specs = _load(args)
     config = {"model": args.model, "caches": [s.name for s in specs], "tasks": names, "lengths": args.lengths}
     config.update(samples=args.samples, seed=args.seed, protocols=args.protocol, chunk=args.chunk)
     config.update(attention=args.attention, dtype=str(args.dtype).removeprefix("torch."), threads=args.threads)
@@ -658,7 +665,7 @@ def _add_eval(sub: Any) -> None:
     t.add_argument("--out", help="results JSON path (default results/tasks-<time>.json); rerun with it to resume")
     t.add_argument("--no-plots", action="store_true")
     t.add_argument("--attention", default="auto", choices=["auto", "reference", "torch", "cpu", "fused", "triton"])
-    t.set_defaults(fn=cmd_eval_tasks, text=None, books=None)
+    t.set_defaults(fn=cmd_eval_tasks)
 
 
 def _add_bench(sub: Any) -> None:

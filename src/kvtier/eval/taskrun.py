@@ -21,7 +21,7 @@ interval, the paired sign-flip p-value against a reference cache on the same pro
 length and bytes; and per (cache, length, protocol) the mean over the RULER tasks and over the code
 tasks.
 
-Imports: torch, :mod:`kvtier.eval.tasks`, :mod:`kvtier.eval.caches`.
+Imports: torch, :mod:`kvtier.eval.tasks`, :mod:`kvtier.eval.caches`, :mod:`kvtier.eval.run`.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch
 
 from ..inputs import read_input
 from .caches import CacheSpec, kv_bytes
+from .run import dense_fp16_bytes, progress
 from .tasks import CODE_TASKS, RULER_TASKS, TaskSample, bootstrap_ci, paired_sign_flip, score
 
 PROTOCOLS = ("one", "stream")
@@ -47,12 +48,6 @@ def prompt_sha(sample: TaskSample) -> str:
     """sha256 of the prompt's token ids (what a results row is tied to)."""
     data = json.dumps([sample.context_ids, sample.question_ids]).encode()
     return hashlib.sha256(data).hexdigest()[:16]
-
-
-def _fp16_bytes(model, tokens: int) -> int:
-    cfg = model.config.get_text_config(decoder=True)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * tokens
 
 
 def _stop_ids(model, tok) -> set[int]:
@@ -96,7 +91,7 @@ def answer(model, tok, sample: TaskSample, spec: CacheSpec, protocol: str = "one
     while gen and gen[-1] in stop:  # the end-of-turn token (and padding after it)
         gen.pop()
     prediction = tok.decode(gen, skip_special_tokens=True)
-    fp16 = _fp16_bytes(model, ctx.shape[1])
+    fp16 = dense_fp16_bytes(model, ctx.shape[1])
     return {
         "cache": spec.name,
         "task": sample.task,
@@ -153,8 +148,6 @@ def run_tasks(
     """Every (prompt, protocol, cache) row, prompt by prompt (all caches side by side on one prompt
     before the next, so partial results stay comparable). With ``log``, rows already there are kept
     (resumed) and new ones appended as they finish. Returns every row of this set of prompts."""
-    from .run import progress
-
     protocols = list(protocols)
     done: dict[tuple, dict] = {}
     shas = {s.key: prompt_sha(s) for s in samples}

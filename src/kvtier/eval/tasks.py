@@ -73,7 +73,6 @@ WONDERWORDS_VERSION = "2.2.0"
 FORMAT_VERSION = 1
 LENGTHS = (4096, 8192, 16384)
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-HAYSTACKS = ("essay", "code")
 
 #: Tasks whose haystack is an essay: they also run over code (``TASK@code``).
 ESSAY_TASKS = ("niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue", "niah_multiquery")
@@ -290,8 +289,11 @@ def _niah(spec: NiahSpec, code: bool) -> Callable[..., Prompt]:
             needles += [(k, v) for v in values[k]]
         rng.shuffle(needles)
         kind = spec.value_kind
-        say = (lambda k, v: f"# One of the special magic {kind} for {k} is: {v}.") if code else None
-        say = say or (lambda k, v: f"One of the special magic {kind} for {k} is: {v}.")
+        comment = "# " if code else ""  # in code, a needle is a comment line
+
+        def say(k: str, v: str) -> str:
+            return f"{comment}One of the special magic {kind} for {k} is: {v}."
+
         meta: dict[str, Any] = {}
         if spec.haystack == "needles":  # the haystack is distractor needles, the real ones among them
             filler = [say(draw_key(rng, taken), draw_value(rng, taken)) for _ in range(units)]
@@ -524,7 +526,7 @@ def generate_sample(
     tok, task: str, length: int, index: int, seed: int = 0, haystacks: Haystacks | None = None
 ) -> TaskSample:
     """The ``index``-th prompt of ``task`` at ``length`` tokens for ``seed`` (see the module doc)."""
-    family = FAMILIES[task] if task in FAMILIES else None
+    family = FAMILIES.get(task)
     if family is None:
         raise ValueError(f"task {task!r} is not allowed: expected one of {list(FAMILIES)}")
     if not isinstance(length, int) or length < 256:
