@@ -399,6 +399,14 @@ def kvtier_cmd(
     return cmd + vllm_flags(port)
 
 
+def _shown(cmd: list[str]) -> str:
+    """A server command as results show it: no path of this machine (temp folder, model folder)."""
+    from kvtier.models import cache_root
+
+    text = " ".join(cmd[2:]).replace(tempfile.gettempdir(), "$TMPDIR")
+    return text.replace(str(cache_root()), "$KVTIER_MODELS")
+
+
 def plain_cmd(port: int) -> list[str]:
     """vLLM's own OpenAI server on the model, no kvtier (its pages, its prefix cache)."""
     from kvtier.models import model_dir
@@ -860,7 +868,7 @@ def soak(args: argparse.Namespace, work: Path, prompts: Prompts) -> dict:
     s = load.stats
     return {
         # the temporary folder is this machine's: named by its place, not its path
-        "server": " ".join(cmd[2:]).replace(tempfile.gettempdir(), "$TMPDIR"),
+        "server": _shown(cmd),
         "ready_s": round(ready_s, 1),
         "run_s": round(run_s, 1),
         "requests": load.done(),
